@@ -1,0 +1,356 @@
+"""
+The Fully Looped Transformer (Fu et al., 2026) and its four looped ancestors, in one file.
+
+A looped transformer runs the same L blocks K times ("loops"): depth without new
+parameters. Plain looping (LT) is unstable: the residual stream grows with every loop
+and training collapses at high K. The paper's fix, FLT, restarts every loop from the
+raw embedding and lets the previous loop steer each layer's attention (queries from the
+previous loop's output, keys/values from the current stream), so what a loop reads is
+bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the
+loop, the KV cache, the model.
+
+The five variants differ only in two choices, made once per loop and once per layer:
+  restart(t):    what the stream starts loop t from  (LT: h, LT_i: norm(e + h), else norm(e))
+  inject(layer): how the layer sees the previous loop (none, "attn" injection, or "res")
+so there is one loop body, not one per variant.
+"""
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
+ATTNS = ("full", "mla")
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 1024
+    vocab_size: int = 151644      # Qwen3: 151643 BPE ids + <|endoftext|>; padded to 64 below
+    n_layer: int = 12             # L unique blocks
+    n_head: int = 6
+    n_kv_head: int = 6            # GQA when < n_head
+    n_embd: int = 768
+    loops: int = 1                # K; forward(loops=...) overrides it per call
+    variant: str = "FLT"          # LT | LT_i | LT_ai | FLT_res | FLT
+    attn: str = "full"            # full | mla
+    kv_rank: int = 128            # MLA latent rank R
+    window_pattern: str = "L"     # L = full causal, S = window of sequence_len // 4; tiled
+    loss_all_loops: bool = False  # train on the mean loss of every loop, not only the last
+    checkpoint_loops: bool = False  # recompute each loop in backward (memory ~ 1 loop)
+
+    def __post_init__(self):
+        def bad(field, allowed):
+            raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
+        if self.variant not in VARIANTS:
+            bad("variant", f"expected one of {VARIANTS}")
+        if self.attn not in ATTNS:
+            bad("attn", f"expected one of {ATTNS}")
+        for field in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "kv_rank"):
+            if getattr(self, field) < 1:
+                bad(field, "expected a positive integer")
+        if self.loops < 1:
+            bad("loops", "expected an integer >= 1")
+        if self.n_head % self.n_kv_head:
+            bad("n_kv_head", f"must divide n_head={self.n_head}")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            bad("n_embd", f"must be n_head={self.n_head} times an even head dimension")
+        if not self.window_pattern or set(self.window_pattern) - {"L", "S"}:
+            bad("window_pattern", "expected a non-empty string of 'L' (full) and 'S' (sliding)")
+
+    @property
+    def padded_vocab(self):
+        return -(-self.vocab_size // 64) * 64
+
+    def windows(self):
+        """Attention window per layer: the pattern tiled, the last layer always full."""
+        w = self.sequence_len // 4
+        tiled = [self.window_pattern[i % len(self.window_pattern)] for i in range(self.n_layer)]
+        tiled[-1] = "L"
+        return [w if c == "S" else None for c in tiled]
+
+
+def config_for_depth(depth, **overrides):
+    """The paper's shape from one integer: d = 64*depth, n_head = ceil(d/128), L = depth."""
+    d = 64 * depth
+    n_head = math.ceil(d / 128)
+    return GPTConfig(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head, **overrides)
+
+
+def norm(x):
+    # Parameter-free RMSNorm (SPEC 2): the paper's only normalisation.
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, T, H, D); rotate the two halves of each head by position-dependent angles.
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Attention whose queries and keys/values may come from different streams.
+
+    Self-attention: attn(norm(x), norm(x)). Attention injection (FLT, Sec. 4.2):
+    attn(norm(h_prev), norm(x)) with the same W_Q, W_K, W_V, W_O: the previous loop chooses
+    *what to read*, the current stream supplies what is read.
+    """
+
+    def __init__(self, config, window):
+        super().__init__()
+        d, self.n_head, self.n_kv_head = config.n_embd, config.n_head, config.n_kv_head
+        self.head_dim, self.window, self.mla = d // self.n_head, window, config.attn == "mla"
+        kv_dim = self.n_kv_head * self.head_dim
+        self.c_q = nn.Linear(d, d, bias=False)
+        if self.mla:  # keys and values from a shared low-rank latent c = norm(x W_down)
+            self.c_kv_down = nn.Linear(d, config.kv_rank, bias=False)
+            self.c_k_up = nn.Linear(config.kv_rank, kv_dim, bias=False)
+            self.c_v_up = nn.Linear(config.kv_rank, kv_dim, bias=False)
+        else:
+            self.c_k = nn.Linear(d, kv_dim, bias=False)
+            self.c_v = nn.Linear(d, kv_dim, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, q_in, kv_in, rope, cache=None):
+        B, T, _ = q_in.shape
+        q = self.c_q(q_in).view(B, T, self.n_head, self.head_dim)
+        if self.mla:
+            c = norm(self.c_kv_down(kv_in))
+            k, v = self.c_k_up(c), self.c_v_up(c)
+        else:
+            k, v = self.c_k(kv_in), self.c_v(kv_in)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = rope
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # RoPE, then QK-norm
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # (B, H, T, D)
+        if cache is None:
+            if self.window is None:  # the flash kernel's path
+                mask, causal = None, True
+            else:
+                mask, causal = attention_mask(T, T, 0, self.window, q.device), False
+        else:  # decoding: append this step's keys/values, attend over everything so far
+            k, v, pos = cache(k, v)
+            mask, causal = attention_mask(T, k.size(2), pos, self.window, q.device), False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def attention_mask(n_q, n_k, pos, window, device):
+    """Boolean mask, True = visible: query pos+i sees key j iff j <= pos+i (and pos+i-j < window)."""
+    i = torch.arange(pos, pos + n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    visible = j <= i
+    return visible & (i - j < window) if window is not None else visible
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
+
+
+class Block(nn.Module):
+    def __init__(self, config, window):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, window)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, h_prev=None, inject=None, cache=None):
+        if inject == "res":   # FLT_res: add the previous loop's output to the stream, renormalise
+            x = norm(x + h_prev)
+        q_in = norm(h_prev) if inject == "attn" else norm(x)  # attention injection: queries from h(t-1)
+        x = x + self.attn(q_in, norm(x), rope, cache)
+        return x + self.mlp(norm(x))
+
+
+# ------------------------------------------------------------------------------------
+# The five variants as data (SPEC 3): loop 1 is plain for all of them; for loops t >= 2,
+# where the stream restarts and which layers see h(t-1).
+
+def restart(variant, e, h_prev):
+    if variant == "LT":
+        return h_prev                 # keep iterating on the previous loop's output
+    if variant == "LT_i":
+        return norm(e + h_prev)       # input injection
+    return norm(e)                    # LT_ai, FLT_res, FLT: every loop starts from the embedding
+
+
+def injection(variant, layer):
+    if variant == "FLT" or (variant == "LT_ai" and layer == 0):
+        return "attn"
+    return "res" if variant == "FLT_res" else None
+
+
+class KVCache:
+    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
+    a different stream. A forward writes its tokens at `pos`; the cache grows to sequence_len."""
+
+    def __init__(self, batch_size, loops, config):
+        self.loops, self.pos = loops, 0
+        self.shape = (batch_size, config.n_kv_head, config.sequence_len, config.n_embd // config.n_head)
+        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, sequence_len, D)
+
+    def update(self, loop, layer, k, v):
+        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far."""
+        if (loop, layer) not in self.kv:
+            self.kv[loop, layer] = (k.new_zeros(self.shape), v.new_zeros(self.shape))
+        k_all, v_all = self.kv[loop, layer]
+        end = self.pos + k.size(2)
+        k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
+        return k_all[:, :, :end], v_all[:, :, :end], self.pos
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.padded_vocab, config.n_embd),
+            h=nn.ModuleList([Block(config, w) for w in config.windows()]),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
+        head_dim = config.n_embd // config.n_head
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(config.sequence_len, dtype=torch.float32), inv_freq)
+        # (T, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
+        self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
+        self.resid_norms = None
+
+    @torch.no_grad()
+    def init_weights(self):
+        """SPEC 2 initialisation:
+        | parameter                         | init                                   |
+        |-----------------------------------|----------------------------------------|
+        | transformer.wte                   | N(0, 1)                                |
+        | lm_head                           | N(0, 0.001)                            |
+        | attn.c_q, c_k, c_v, c_kv_down     | U(-s, s), s = sqrt(3 / d_model)        |
+        | attn.c_k_up, c_v_up (MLA)         | U(-s, s), s = sqrt(3 / kv_rank)        |
+        | mlp.c_fc                          | U(-s, s), s = sqrt(3 / d_model)        |
+        | attn.c_proj, mlp.c_proj           | 0: every block starts as the identity  |
+        """
+        nn.init.normal_(self.transformer.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        s = math.sqrt(3 / self.config.n_embd)
+        s_up = math.sqrt(3 / self.config.kv_rank)
+        for name, p in self.transformer.h.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.zeros_(p)
+            elif name.endswith(("c_k_up.weight", "c_v_up.weight")):
+                nn.init.uniform_(p, -s_up, s_up)
+            else:
+                nn.init.uniform_(p, -s, s)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def _loops(self, loops):
+        K = self.config.loops if loops is None else loops
+        if not isinstance(K, int) or K < 1:
+            raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
+        return K
+
+    def estimate_flops(self, loops=None):
+        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
+        The blocks run K times; the LM head once per supervised loop; attention scores cost
+        12 * d_model * (visible keys) per layer and loop (nanochat's convention)."""
+        c, K = self.config, self._loops(loops)
+        block = sum(p.numel() for p in self.transformer.h.parameters())
+        head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
+        attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
+        return 6 * (block * K + head) + attn * K
+
+    def new_kv_cache(self, batch_size, loops=None):
+        return KVCache(batch_size, self._loops(loops), self.config)
+
+    def loop_states(self, idx, loops=None, kv_cache=None):
+        """[h(1), ..., h(K)], h(t) = norm(stream at the end of loop t), from one pass.
+        Each is a valid prediction point (feed it to `head`). Records self.resid_norms."""
+        c, K = self.config, self._loops(loops)
+        B, T = idx.shape
+        pos = 0 if kv_cache is None else kv_cache.pos
+        if pos + T > c.sequence_len:
+            raise ValueError(f"input of {pos + T} tokens exceeds sequence_len={c.sequence_len}")
+        if kv_cache is not None and kv_cache.loops < K:
+            raise ValueError(f"loops={K} exceeds the KV cache's loops={kv_cache.loops}")
+        rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
+        e = self.transformer.wte(idx)
+        if e.dtype != torch.float32 and not torch.is_autocast_enabled(e.device.type):
+            e = e.float()  # the bf16 embedding table used outside autocast
+        hs, norms = [], []
+        for t in range(K):
+            x = norm(e) if t == 0 else restart(c.variant, e, hs[-1])
+            h_prev = hs[-1] if hs else None
+            caches = [None if kv_cache is None else partial(kv_cache.update, t, i)
+                      for i in range(c.n_layer)]
+            if c.checkpoint_loops and self.training and torch.is_grad_enabled():
+                # The recomputation gets x and h_prev as saved inputs, so it sees this loop's h(t-1).
+                x = checkpoint(self._loop, x, h_prev, t, rope, caches, use_reentrant=False)
+            else:
+                x = self._loop(x, h_prev, t, rope, caches)
+            norms.append(x.detach().float().norm(dim=-1).mean())  # SPEC 5: residual-state norm
+            hs.append(norm(x))
+        if kv_cache is not None:
+            kv_cache.pos += T
+        self.resid_norms = torch.stack(norms)
+        return hs
+
+    def _loop(self, x, h_prev, t, rope, caches):
+        """One pass through the L blocks: the loop body, shared by all five variants."""
+        for i, block in enumerate(self.transformer.h):
+            inject = injection(self.config.variant, i) if t > 0 else None
+            x = block(x, rope, h_prev, inject, caches[i])
+        return x
+
+    def head(self, h):
+        logits = self.lm_head(h)[..., :self.config.vocab_size].float()  # padded ids never predicted
+        return 15 * torch.tanh(logits / 15)  # logit softcap, in fp32
+
+    def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None):
+        """Logits (B, T, V) of the last loop, or the loss if targets are given.
+        all_loops=True: a list of K logits, or a (K,) tensor of per-loop losses, from one pass."""
+        hs = self.loop_states(idx, loops, kv_cache)
+        if not (all_loops or (targets is not None and self.config.loss_all_loops)):
+            hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
+        outputs = [self.head(h) for h in hs]
+        if targets is not None:
+            outputs = [F.cross_entropy(z.flatten(0, 1), targets.flatten(), ignore_index=-1)
+                       for z in outputs]
+        if all_loops:
+            return torch.stack(outputs) if targets is not None else outputs
+        return torch.stack(outputs).mean() if targets is not None else outputs[-1]
+
+    @torch.inference_mode()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None):
+        """Stream (B, 1) tokens with a KV cache of K*L entries: a prefill, then one token a step."""
+        if idx.size(1) + max_new_tokens > self.config.sequence_len:
+            raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds sequence_len={self.config.sequence_len}")
+        rng = None
+        if seed is not None:
+            rng = torch.Generator(device=idx.device).manual_seed(seed)
+        cache = self.new_kv_cache(idx.size(0), loops)
+        logits = self(idx, loops=loops, kv_cache=cache)[:, -1]
+        for step in range(max_new_tokens):
+            if temperature == 0:
+                token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
+            yield token
+            if step + 1 < max_new_tokens:
+                logits = self(token, loops=loops, kv_cache=cache)[:, -1]
