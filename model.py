@@ -15,7 +15,8 @@ The five variants differ only in two choices, made once per loop and once per la
 so there is one loop body, not one per variant.
 """
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
@@ -354,3 +355,31 @@ class GPT(nn.Module):
             yield token
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache)[:, -1]
+
+
+# ------------------------------------------------------------------------------------
+# Checkpoints: a directory out_dir/step_NNNNNN/ holding model.pt (+ optimizer and loader
+# state from train.py, and the tokenizer.json the model was trained with).
+
+def checkpoint_dir(path):
+    """A step directory as given, or the newest complete step_* directory inside a run's out_dir."""
+    if os.path.isfile(os.path.join(path, "model.pt")):
+        return path
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step_")) if os.path.isdir(path) else []
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {path!r}: expected model.pt or step_* directories")
+    return os.path.join(path, steps[-1])
+
+
+def model_state(model, **meta):
+    return dict(model=model.state_dict(), config=asdict(model.config), **meta)
+
+
+def load_model(path, device="cpu"):
+    """(model, meta) from a checkpoint directory; meta holds the step, settings, etc."""
+    path = checkpoint_dir(path)
+    meta = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=False)
+    model = GPT(GPTConfig(**meta.pop("config")))
+    model.load_state_dict(meta.pop("model"))
+    meta["path"] = path
+    return model.to(device), meta

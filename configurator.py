@@ -1,0 +1,71 @@
+"""
+nanoGPT-style settings: a script's module-level variables *are* its settings.
+    python train.py config/flt_base.py --loops=9 --resume
+A config file (a Python file, positional) overrides the defaults, then each --key=value
+overrides both; a bare --key sets a boolean to True. Unknown keys and values of the wrong
+type are errors that name the key, never silently ignored.
+"""
+import ast
+import types
+
+SETTING_TYPES = (bool, int, float, str, type(None))
+
+
+def settings_of(namespace):
+    """The settings in a module namespace: public variables of simple types."""
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in SETTING_TYPES}
+
+
+def _checked(key, value, default, source):
+    if type(value) is type(default) or (default is None and type(value) in SETTING_TYPES):
+        return value
+    if type(default) is float and type(value) is int:
+        return float(value)
+    raise ValueError(f"{source}: setting {key!r} expects {type(default).__name__}, "
+                     f"got {type(value).__name__} {value!r}")
+
+
+def _parse(key, raw, default, source):
+    if isinstance(default, str):
+        return raw                       # strings are taken as written: --loops=1,3,6
+    if isinstance(default, bool):
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{source}: setting {key!r} expects a bool (true/false), got {raw!r}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        if default is not None:
+            raise ValueError(f"{source}: setting {key!r} expects {type(default).__name__}, "
+                             f"got {raw!r}") from None
+        value = raw                      # a None default accepts a bare string
+    return _checked(key, value, default, source)
+
+
+def configure(namespace, argv):
+    """Apply config files and --key=value flags from argv to the settings in namespace
+    (a script's globals()), in place. Returns the final settings as a dict."""
+    defaults = settings_of(namespace)
+    for arg in argv:
+        if not arg.startswith("--"):
+            if not arg.endswith(".py"):
+                raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")
+            scope = {}
+            with open(arg) as f:  # FileNotFoundError names the file
+                exec(compile(f.read(), arg, "exec"), scope)
+            for key, value in scope.items():
+                if key.startswith("_") or isinstance(value, types.ModuleType):
+                    continue  # builtins, and imports a config file may use
+                if key not in defaults:
+                    raise ValueError(f"{arg}: unknown setting {key!r}")
+                namespace[key] = _checked(key, value, defaults[key], arg)
+            continue
+        key, sep, raw = arg[2:].partition("=")
+        if key not in defaults:
+            raise ValueError(f"--{key}: unknown setting; known: {', '.join(sorted(defaults))}")
+        if not sep and not isinstance(defaults[key], bool):
+            raise ValueError(f"--{key}: expected --{key}=value")
+        namespace[key] = _parse(key, raw, defaults[key], f"--{key}") if sep else True
+    return settings_of({k: namespace[k] for k in defaults})
