@@ -1,0 +1,461 @@
+"""
+Data: parquet shards with a `text` column, a byte-level BPE tokenizer, a streaming loader.
+
+The paper pretrains on FineWeb-Edu, streamed as the nanochat family's parquet shards. For
+CPU work the same code path runs on an embedded corpus built from text already on every
+machine with Python (the reference manual's topics and the standard library's docstrings),
+so a smoke test needs no network. Both are plain parquet shards; the last is validation.
+
+    python data.py --download 8     # first 8 FineWeb-Edu shards + the validation shard
+    python data.py --embedded       # build the embedded corpus (no network)
+    python data.py --bench          # loader tokens/s on the embedded corpus
+"""
+import argparse
+import contextlib
+import fcntl
+import glob
+import importlib
+import inspect
+import os
+import pkgutil
+import random
+import shutil
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import requests
+import tokenizers
+import torch
+
+DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+SHARD_NAME = "shard_{:05d}.parquet"
+VAL_SHARD = 1822  # 1823 shards; nanochat keeps the last one (index 1822) for validation
+HUB_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"
+DEFAULT_DATA_DIR = "data"
+BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document
+
+# ----------------------------------------------------------------------------------------
+# Files: a lock so concurrent ranks do the work once, and a robust download
+
+
+@contextlib.contextmanager
+def _locked(path):
+    """Exclusive lock on path + '.lock'. flock is released by the kernel even if we crash."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _fetch(url, part):
+    """One attempt: fetch url into the temp file `part`, resuming it with a Range request."""
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    # identity encoding: a Range counts bytes of the stored file, not of a gzip stream
+    headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={have}-"} if have else {})
+    with requests.get(url, headers=headers, stream=True, timeout=30) as r:
+        if r.status_code == 416:  # our partial file is stale or already whole: start over
+            os.remove(part)
+            raise requests.ConnectionError(f"range {have}- not satisfiable, restarting")
+        r.raise_for_status()
+        if r.status_code != 206:  # the server ignored Range and sends the whole file
+            have = 0
+        expected = have + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        with open(part, "ab" if have else "wb") as f:
+            for chunk in r.iter_content(1 << 16):
+                f.write(chunk)
+    if expected is not None and os.path.getsize(part) != expected:
+        raise requests.ConnectionError(f"got {os.path.getsize(part)} of {expected} bytes")
+
+
+def download(url, path, retries=5, backoff=1.0):
+    """Download url to path once: retries with exponential back-off, resume, atomic rename.
+
+    Concurrent callers (ranks, processes) wait on a lock and find the file there. A half-written
+    file is never visible at `path`: bytes go to path + '.part', renamed only when complete.
+    """
+    if os.path.exists(path):
+        return path
+    with _locked(path):
+        if os.path.exists(path):  # another rank finished it while we waited
+            return path
+        part, error = path + ".part", None
+        for attempt in range(retries):
+            if attempt:
+                time.sleep(backoff * 2 ** (attempt - 1))
+            try:
+                _fetch(url, part)
+                os.replace(part, path)
+                print(f"downloaded {url} -> {path} ({os.path.getsize(path):,} bytes)")
+                return path
+            except requests.HTTPError as e:
+                status = e.response.status_code
+                if 400 <= status < 500 and status not in (408, 429):
+                    # wrong URL or no access: retrying cannot help, and there is nothing to resume
+                    if os.path.exists(part):
+                        os.remove(part)
+                    raise ConnectionError(f"download failed: {url}: HTTP {status}") from e
+                error = e
+            except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
+                error = e
+        raise ConnectionError(f"download failed after {retries} attempts: {url}: {error}")
+
+
+def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1.0):
+    """The first n training shards plus the validation shard, fetched 4 at a time."""
+    if not 1 <= n <= VAL_SHARD:
+        raise ValueError(f"number of shards must be in 1..{VAL_SHARD}, got {n}")
+    names = [SHARD_NAME.format(i) for i in [*range(n), VAL_SHARD]]
+    paths = [os.path.join(data_dir, name) for name in names]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda name, path: download(f"{base_url}/{name}", path, retries, backoff),
+                          names, paths))
+    except ConnectionError as e:
+        raise ConnectionError(f"{e}\noffline? use dataset='embedded' (python data.py --embedded)") from e
+    return paths
+
+
+def list_shards(data_dir):
+    """The sorted parquet shards of a directory; the last one is the validation split."""
+    paths = sorted(glob.glob(os.path.join(data_dir, "*.parquet")))
+    if not paths:
+        raise FileNotFoundError(f"no *.parquet shards in {data_dir!r}; "
+                                "run python data.py --download N or python data.py --embedded")
+    return paths
+
+
+def _open_parquet(path):
+    """Open a shard, turning a missing, truncated or column-less file into an error naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such parquet file: {path}")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file (truncated or corrupt?): {e}") from e
+    if "text" not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no 'text' column (columns: {pf.schema_arrow.names}); "
+                         "shards need a string column named 'text'")
+    return pf
+
+
+def _read_texts(path, row_group):
+    with _open_parquet(path) as pf:
+        try:
+            return pf.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: row group {row_group} is unreadable: {e}") from e
+
+# ----------------------------------------------------------------------------------------
+# The embedded corpus: ~1.7 MB of English prose that ships with every Python
+
+
+# Modules that act on import (open a browser, print, touch the terminal) or are not prose
+# (encodings: ~100 generated codec stubs); distutils/lib2to3 are deprecated and environment-
+# dependent (setuptools replaces distutils), which would break determinism.
+_SKIP_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "readline",
+                 "rlcompleter", "test", "encodings", "distutils", "lib2to3"}
+EMBEDDED_SHARDS = 5      # 4 training shards + 1 validation shard
+EMBEDDED_ROW_GROUP = 16  # documents per row group: several row groups per shard, for the ranks
+EMBEDDED_VAL_FRACTION = 0.08  # of the characters
+
+
+def _public(name):
+    return not any(part.startswith("_") or part in ("test", "tests") for part in name.split("."))
+
+
+def _doc(obj):
+    doc = getattr(obj, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) else ""
+
+
+def _module_doc(mod):
+    """The module's docstring, then each public class/function it defines (and their methods)."""
+    parts = [_doc(mod)]
+    for name, obj in sorted(vars(mod).items()):
+        if not (_public(name) and (inspect.isclass(obj) or inspect.isroutine(obj))
+                and getattr(obj, "__module__", None) == mod.__name__):
+            continue  # skip re-exports, so each docstring appears once
+        # obj.__doc__, not inspect.getdoc: getdoc falls back to inherited docstrings (duplicates)
+        if doc := _doc(obj):
+            parts.append(f"{name}\n{doc}")
+        if inspect.isclass(obj):
+            parts += [f"{name}.{m}\n{_doc(f)}" for m, f in sorted(vars(obj).items())
+                      if _public(m) and inspect.isroutine(f) and _doc(f)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def _embedded_documents():
+    """One document per reference-manual topic and per stdlib module, in a fixed order."""
+    from pydoc_data.topics import topics
+    docs = list(dict.fromkeys(topics[key] for key in sorted(topics)))  # 'if' and 'else' share a text
+    todo = sorted(n for n in sys.stdlib_module_names if _public(n) and n not in _SKIP_MODULES)
+    with warnings.catch_warnings():  # deprecated modules warn on import; we only read them
+        warnings.simplefilter("ignore")
+        while todo:
+            name = todo.pop(0)
+            try:
+                mod = importlib.import_module(name)
+            except Exception:  # platform-specific modules (winreg, msvcrt, ...) are absent here
+                continue
+            if body := _module_doc(mod):
+                docs.append(f"{name}\n\n{body}")
+            if hasattr(mod, "__path__"):  # a package: visit its public submodules too, sorted
+                todo = sorted(todo + [f"{name}.{m.name}" for m in pkgutil.iter_modules(mod.__path__)
+                                      if _public(m.name)])
+    return docs
+
+
+def embedded_corpus(data_dir):
+    """Build (once, cached in data_dir/embedded/) the embedded corpus; return its shard paths."""
+    out = os.path.join(data_dir, "embedded")
+    with _locked(out):
+        if os.path.isdir(out):
+            return list_shards(out)
+        docs = _embedded_documents()
+        random.Random(1234).shuffle(docs)  # mix topics and modules before splitting train/val
+        total = sum(map(len, docs))  # the last documents, ~8% of the text, are the validation split
+        n_val = next(n for n in range(1, len(docs))
+                     if sum(map(len, docs[-n:])) >= EMBEDDED_VAL_FRACTION * total)
+        train, val = docs[:-n_val], docs[-n_val:]
+        per = -(-len(train) // (EMBEDDED_SHARDS - 1))
+        shards = [train[i:i + per] for i in range(0, len(train), per)] + [val]
+        tmp = f"{out}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed build
+        os.makedirs(tmp)
+        for i, texts in enumerate(shards):  # into a temp dir, then rename: never half a corpus
+            pq.write_table(pa.table({"text": pa.array(texts, pa.string())}),
+                           os.path.join(tmp, SHARD_NAME.format(i)), row_group_size=EMBEDDED_ROW_GROUP)
+        os.rename(tmp, out)
+        n_bytes = [sum(len(t.encode()) for t in shard) for shard in shards]
+        print(f"embedded corpus: {len(docs)} docs, {sum(n_bytes):,} bytes in {len(shards)} shards at {out} "
+              f"(validation: {len(val)} docs, {n_bytes[-1]:,} bytes)")
+        return list_shards(out)
+
+# ----------------------------------------------------------------------------------------
+# Tokenizer
+
+
+class Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` with a document token (BOS) and a byte table."""
+
+    def __init__(self, tok, name="tokenizer"):
+        self.tok = tok
+        self.bos_id = tok.token_to_id(BOS)
+        if self.bos_id is None:
+            raise ValueError(f"{name}: no {BOS!r} token; the loader needs it as the document token")
+        # "<|endoftext|>" written inside a document is text, not a fake document boundary
+        tok.encode_special_tokens = True
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self):
+        """UTF-8 bytes each id stands for (0 for special tokens), for bits per byte.
+
+        Not len(decode([id])): a lone id may be part of a multi-byte character and decode to
+        U+FFFD. In byte-level BPE every character of a token string is one byte.
+        """
+        alphabet = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+        added = self.tok.get_added_tokens_decoder()
+        table = torch.zeros(self.vocab_size, dtype=torch.long)
+        for i in range(self.vocab_size):
+            if i in added:  # added tokens are stored as plain text
+                table[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
+            elif (token := self.tok.id_to_token(i)) is not None:
+                if not set(token) <= alphabet:
+                    raise ValueError(f"token {i} {token!r} is not byte-level; only byte-level BPE "
+                                     "tokenizers (GPT-2, Qwen3, train_tokenizer) are supported")
+                table[i] = len(token)
+        return table
+
+    def save(self, path):
+        tmp = f"{path}.tmp{os.getpid()}"
+        self.tok.save(tmp)
+        os.replace(tmp, path)
+
+
+def train_tokenizer(files, vocab_size, path):
+    """Train a byte-level BPE (GPT-2 pre-tokenizer) on the `text` of parquet files; save at path."""
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size must be >= 257 (256 bytes + {BOS}), got {vocab_size}")
+    row_groups = []
+    for f in files:
+        with _open_parquet(f) as pf:
+            row_groups += [(f, g) for g in range(pf.num_row_groups)]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())  # every byte encodable
+    tok.train_from_iterator((_read_texts(f, g) for f, g in row_groups), trainer)
+    tokenizer = Tokenizer(tok, name=path)
+    tokenizer.save(path)
+    print(f"trained a {tokenizer.vocab_size}-token BPE on {len(files)} files -> {path}")
+    return tokenizer
+
+
+def load_tokenizer(name_or_path, cache_dir=None):
+    """A tokenizer.json path, or a hub name like 'Qwen/Qwen3-0.6B' (downloaded into cache_dir)."""
+    path = name_or_path
+    if not os.path.exists(path) and not path.endswith(".json") and path.count("/") == 1:
+        cache = cache_dir or DEFAULT_DATA_DIR
+        path = download(HUB_URL.format(name=name_or_path),
+                        os.path.join(cache, name_or_path.replace("/", "--") + ".tokenizer.json"))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer {name_or_path!r}: no such file; give a tokenizer.json "
+                                "path or a hub name like 'Qwen/Qwen3-0.6B'")
+    try:
+        tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the library raises a bare Exception for a malformed file
+        raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from e
+    return Tokenizer(tok, name=path)
+
+
+def get_tokenizer(spec, data_dir, train_files, vocab_size):
+    """'bpe': a local BPE trained once on train_files (cached); anything else: load_tokenizer."""
+    if spec != "bpe":
+        return load_tokenizer(spec, cache_dir=data_dir)
+    path = os.path.join(data_dir, f"tokenizer_bpe{vocab_size}.json")
+    with _locked(path):  # rank 0 trains, the other ranks wait and load
+        if os.path.exists(path):
+            return load_tokenizer(path)
+        return train_tokenizer(train_files, vocab_size, path)
+
+# ----------------------------------------------------------------------------------------
+# Streaming loader
+
+
+class DataLoader:
+    """Endless (x, y) batches of shape (B, T), y = x shifted by one.
+
+    The stream of a rank: its row groups in order (row group g of the concatenated files goes
+    to rank g % world_size), each document as [bos] + tokens, repeated epoch after epoch. The
+    stream is cut into consecutive windows of T+1 tokens; B windows make a batch.
+
+    state_dict() is the position of the next unread token: {"epoch", "file", "row_group",
+    "offset", "rank", "world_size"}, where offset counts the tokens of that row group already
+    used. A loader built with state=loader.state_dict() after batch n yields batch n+1 next.
+    Each rank has its own state, so a checkpoint keeps one per rank.
+    """
+
+    def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None):
+        if not files:
+            raise ValueError("DataLoader: no files given")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+        self.files, self.tokenizer, self.B, self.T = list(files), tokenizer, batch_size, seq_len
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        groups, rows = [], 0
+        for i, path in enumerate(self.files):
+            with _open_parquet(path) as pf:
+                for g in range(pf.num_row_groups):
+                    if len(groups) % world_size == rank:
+                        rows += pf.metadata.row_group(g).num_rows
+                    groups.append((i, g))
+        self.groups = groups[rank::world_size]
+        if rows == 0:  # would loop forever looking for a token
+            raise ValueError(f"rank {rank} of {world_size} gets no documents: {len(groups)} row groups in "
+                             f"{len(self.files)} files ({self.files[0]}, ...); use fewer ranks or more data")
+        self.epoch, self.pos, self.offset, self.tokens = 0, 0, 0, None
+        if state is not None:
+            self._load_state(state)
+
+    def _load_state(self, state):
+        where = (state["file"], state["row_group"])
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size) or where not in self.groups:
+            raise ValueError(f"loader state {state} is not a position of rank {self.rank} of "
+                             f"{self.world_size} in these {len(self.files)} files")
+        self.epoch, self.pos, self.offset = state["epoch"], self.groups.index(where), state["offset"]
+        self.tokens = self._tokenize(self.pos)
+        if not 0 <= self.offset < len(self.tokens):
+            raise ValueError(f"loader state {state}: offset outside the row group "
+                             f"({len(self.tokens)} tokens)")
+
+    def state_dict(self):
+        file, row_group = self.groups[self.pos]
+        return {"epoch": self.epoch, "file": file, "row_group": row_group, "offset": self.offset,
+                "rank": self.rank, "world_size": self.world_size}
+
+    def _tokenize(self, pos):
+        file, row_group = self.groups[pos]
+        stream = []
+        for ids in self.tokenizer.encode_batch(_read_texts(self.files[file], row_group)):
+            stream.append(self.tokenizer.bos_id)
+            stream.extend(ids)
+        return torch.tensor(stream, dtype=torch.long)
+
+    def _take(self, n):
+        """The next n tokens of the stream, moving through row groups and epochs."""
+        pieces = []
+        while n:
+            if self.tokens is None:
+                self.tokens = self._tokenize(self.pos)
+            piece = self.tokens[self.offset:self.offset + n]
+            pieces.append(piece)
+            n -= len(piece)
+            self.offset += len(piece)
+            if self.offset == len(self.tokens):  # row group used up: the state names the next one
+                self.pos, self.offset, self.tokens = self.pos + 1, 0, None
+                if self.pos == len(self.groups):
+                    self.pos, self.epoch = 0, self.epoch + 1
+        return pieces
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cuda = self.device.type == "cuda"
+        # pinned host memory lets the copy to the GPU overlap with compute (non_blocking)
+        buf = torch.empty(self.B * (self.T + 1), dtype=torch.long, pin_memory=cuda)
+        torch.cat(self._take(len(buf)), out=buf)
+        w = buf.view(self.B, self.T + 1).to(self.device, non_blocking=cuda)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+# ----------------------------------------------------------------------------------------
+
+
+def bench(data_dir, vocab_size, batch_size=8, seq_len=256, seconds=5.0):
+    """Loader throughput on the embedded corpus, tokenization included."""
+    files = embedded_corpus(data_dir)
+    tokenizer = get_tokenizer("bpe", data_dir, files[:-1], vocab_size)
+    loader = DataLoader(files[:-1], tokenizer, batch_size, seq_len)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        next(loader)
+        n += 1
+    dt = time.perf_counter() - t0
+    print(f"loader: {n * batch_size * seq_len / dt:,.0f} tokens/s (B={batch_size}, T={seq_len}, "
+          f"vocab {tokenizer.vocab_size}, {os.cpu_count()} CPUs, {n} batches)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--download", type=int, metavar="N", help="first N FineWeb-Edu shards + validation")
+    action.add_argument("--embedded", action="store_true", help="build the embedded corpus")
+    action.add_argument("--bench", action="store_true", help="loader tokens/s on the embedded corpus")
+    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--base_url", default=DEFAULT_BASE_URL)
+    parser.add_argument("--vocab_size", type=int, default=4096, help="BPE vocabulary for --bench")
+    args = parser.parse_args()
+    if args.download is not None:
+        download_shards(args.download, args.data_dir, args.base_url)
+    elif args.embedded:
+        embedded_corpus(args.data_dir)
+    else:
+        bench(args.data_dir, args.vocab_size)
