@@ -1,0 +1,536 @@
+"""
+Evaluate one looped checkpoint at several loop budgets K: a row of the paper's Table 1 per K.
+
+    python eval.py out/flt_base --modes=bpb,wiki,core,sample --loops=1,3,6,9,12
+    torchrun --nproc_per_node=8 eval.py out/flt_base/step_004000 --max_per_task=500
+    python -c "import eval; eval.bench()"    # CPU timings: batched CORE, one-pass budget sweep
+
+The first argument is a run's out_dir (its newest step_* is used) or a step directory; the
+tokenizer is the tokenizer.json saved beside the weights. Results go to <step dir>/eval.json
+and a markdown table to eval.md beside it (setting `out`).
+
+Budget sweep (SPEC 3): every loop's output h(t) is a valid prediction point, so ONE forward
+at K_max = max(loops) yields the logits of every requested K as head(h(K)). All metrics go
+through `loop_losses`, which does exactly that; no metric runs one pass per K.
+
+Protocols
+- val bpb (SPEC 8): bpb_tokens tokens of the last (validation) shard of the training data, in
+  (batch_size, seq_len) windows from data.DataLoader. bpb = sum of target-token losses (nats)
+  / (ln 2 * sum of the UTF-8 bytes of those targets); targets of 0 bytes (special tokens such
+  as the BOS/document token) are left out of both sums.
+- WikiText-2 perplexity: the wikitext-2-raw-v1 validation split. Its rows are joined with no
+  separator (each row keeps its own newline) into one text, tokenized, a single BOS prepended,
+  and cut into non-overlapping windows of seq_len + 1 tokens (the last may be shorter). In each
+  window every token but the first is a target. ppl = exp(mean NLL over all targets).
+- CORE (DCLM, nanochat's protocol): each task of core.yaml with its first num_fewshot. The items
+  are shuffled with random.Random(1337), then cut to max_per_task. Item idx gets num_fewshot
+  examples drawn with random.Random(1234 + idx) from the other shuffled items (the whole task, so
+  a cut run scores the same prompts as a full one). Examples are rendered like the item with its
+  gold answer and joined by "\\n\\n" before it:
+    multiple_choice    query + delim + choice            score: mean loss of the choice tokens
+    schema             context_option + delim + cont     score: mean loss of the continuation
+    language_modeling  context.strip() + delim + cont    correct iff the argmax at every
+                       continuation position is the continuation token (teacher forcing)
+  MC and schema predict the option of lowest score. Sequences start with BOS; the scored tokens
+  are found by tokenizing the shared part alone (common prefix for MC/LM, common suffix for
+  schema). A sequence longer than seq_len + 1 tokens keeps its last seq_len + 1 (the model reads
+  seq_len). Centered accuracy = (acc - r) / (1 - r), r = random baseline / 100; CORE = their mean.
+- Table 1 downstream columns, raw accuracy by core.yaml label: LMB = lambada_openai (0-shot),
+  PIQA = piqa, Hella = hellaswag (10-shot, not hellaswag_zeroshot), OPQA = openbook_qa (0-shot),
+  ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean. A label missing from the
+  bundle leaves its column, and Avg, empty.
+"""
+import csv
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import zipfile
+from itertools import islice
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+import data
+from configurator import configure, settings_of
+from model import GPT, config_for_depth, load_model
+
+# ----------------------------------------------------------------------------- settings
+modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample
+loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
+device = ""                     # cuda | cpu | mps; empty = autodetect
+batch_size = 8                  # sequences per forward
+bpb_tokens = 2**20              # validation tokens for bpb
+val_files = ""                  # comma-separated parquet shards; empty = the checkpoint's validation shard
+data_dir = ""                   # empty = the checkpoint's data_dir; downloads land here
+wiki_path = ""                  # parquet with a text column, or raw text; empty = download wiki_url
+wiki_url = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
+            "wikitext-2-raw-v1/validation-00000-of-00001.parquet")
+bundle_dir = ""                 # DCLM eval bundle directory; empty = data_dir/eval_bundle
+bundle_url = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+max_per_task = -1               # CORE items per task after the seeded shuffle; -1 = all
+sample_tokens = 48              # sample mode: tokens generated per prompt and K
+temperature = 0.0               # sample mode: 0 = greedy
+seed = 42                       # sample mode: sampling seed when temperature > 0
+out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
+
+MODES = ("bpb", "wiki", "core", "sample")
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+TABLE_TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
+               "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
+SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,")
+
+
+def rank_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(t):
+    if rank_world()[1] > 1:
+        dist.all_reduce(t)
+
+
+def autocast(device_type):
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda")
+
+# ----------------------------------------------------------------------------- the budget sweep
+
+
+@torch.no_grad()
+def loop_losses(model, idx, targets, loops_list):
+    """{K: (per-token loss (B, T), argmax (B, T))} for each K, from ONE forward at max K.
+    Targets of -1 are ignored (loss 0). Every metric below is computed from this."""
+    with autocast(idx.device.type):
+        hs = model.loop_states(idx, max(loops_list))
+        result = {}
+        for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
+            logits = model.head(hs[K - 1])
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+            result[K] = (loss.view_as(targets), logits.argmax(dim=-1))
+    return result
+
+
+def collate(rows, device):
+    """(input, target) lists of varying length -> (B, T) tensors, right-padded; padded targets -1
+    (ignored). Causal attention means the padding never changes the positions before it."""
+    T = max(len(x) for x, _ in rows)
+    x = torch.zeros(len(rows), T, dtype=torch.long)
+    y = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, (xs, ys) in enumerate(rows):
+        x[i, :len(xs)], y[i, :len(ys)] = torch.tensor(xs), torch.tensor(ys)
+    return x.to(device), y.to(device)
+
+
+def loss_sums(model, batches, loops_list, weight):
+    """Per-K sums of token losses over the targets with weight(y) > 0, and the sum of weight(y),
+    over all batches and all ranks."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(len(loops_list) + 1, dtype=torch.float64, device=device)
+    for x, y in batches:
+        w = weight(y)
+        losses = loop_losses(model, x, y, loops_list)
+        sums += torch.stack([losses[K][0][w > 0].sum() for K in loops_list] + [w.sum()]).double()
+    all_reduce_sum(sums)
+    return sums[:-1].tolist(), sums[-1].item()
+
+
+def evaluate_bpb(model, batches, token_bytes, loops_list):
+    """{K: bits per byte} over a finite iterable of (x, y) batches; token_bytes (vocab,) is the
+    UTF-8 byte count of each id (0 for special tokens), on the batches' device. Sums are
+    all-reduced, so under torchrun each rank passes its own share of the batches."""
+    def weight(y):
+        return torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+    nats, n_bytes = loss_sums(model, batches, loops_list, weight)
+    if n_bytes == 0:
+        raise ValueError("evaluate_bpb: the batches hold no target tokens with a byte count > 0")
+    return {K: n / (math.log(2) * n_bytes) for K, n in zip(loops_list, nats)}
+
+# ----------------------------------------------------------------------------- WikiText-2
+
+
+def load_text(path):
+    """A parquet file's `text` column joined with no separator (WikiText rows keep their own
+    newlines), or a raw text file as is."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if path.endswith(".parquet"):
+        names = pq.read_schema(path).names
+        if "text" not in names:
+            raise ValueError(f"{path}: no 'text' column (columns: {names})")
+        return "".join(pq.read_table(path, columns=["text"]).column("text").to_pylist())
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def evaluate_ppl(model, tokenizer, text, loops_list, batch_size):
+    """{K: perplexity} of text by the window protocol of the module docstring."""
+    ids = [tokenizer.bos_id] + tokenizer.encode(text)
+    n = model.config.sequence_len + 1
+    windows = [ids[i:i + n] for i in range(0, len(ids), n) if len(ids[i:i + n]) > 1]
+    rank, world = rank_world()
+    mine = windows[rank::world]
+    batches = (collate([(w[:-1], w[1:]) for w in mine[i:i + batch_size]], next(model.parameters()).device)
+               for i in range(0, len(mine), batch_size))
+    nats, n_tokens = loss_sums(model, batches, loops_list, lambda y: (y >= 0).long())
+    return {K: math.exp(s / n_tokens) for K, s in zip(loops_list, nats)}
+
+# ----------------------------------------------------------------------------- CORE
+
+
+def load_bundle(bundle_dir):
+    """The tasks of core.yaml, each {label, type, fewshot, delimiter, path, baseline (percent)}.
+    Every file and task type is checked here, before any model time is spent."""
+    yaml_path, meta_path = (os.path.join(bundle_dir, f) for f in ("core.yaml", "eval_meta_data.csv"))
+    for path in (yaml_path, meta_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"eval bundle {bundle_dir!r}: missing {path}")
+    with open(yaml_path) as f:
+        entries = (yaml.safe_load(f) or {}).get("icl_tasks")
+    if not entries:
+        raise ValueError(f"{yaml_path}: expected a non-empty 'icl_tasks' list")
+    with open(meta_path, newline="") as f:
+        rows = csv.DictReader(f)
+        if not {"Eval Task", "Random baseline"} <= set(rows.fieldnames or ()):
+            raise ValueError(f"{meta_path}: expected columns 'Eval Task' and 'Random baseline'")
+        baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
+    tasks = []
+    for entry in entries:
+        missing = {"label", "dataset_uri", "num_fewshot", "icl_task_type"} - set(entry)
+        if missing:
+            raise ValueError(f"{yaml_path}: task entry {entry} lacks {sorted(missing)}")
+        label = entry["label"]
+        if entry["icl_task_type"] not in TASK_TYPES:
+            raise ValueError(f"{yaml_path}: task {label!r} has icl_task_type {entry['icl_task_type']!r}; "
+                             f"expected one of {TASK_TYPES}")
+        path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{yaml_path}: task {label!r}: missing data file {path}")
+        if label not in baselines:
+            raise ValueError(f"{meta_path}: no 'Random baseline' row for task {label!r}")
+        tasks.append(dict(label=label, type=entry["icl_task_type"], fewshot=entry["num_fewshot"][0],
+                          delimiter=entry.get("continuation_delimiter", " "), path=path,
+                          baseline=baselines[label]))
+    return tasks
+
+
+def load_items(task, max_per_task):
+    """The task's items, shuffled with seed 1337, and how many of them (the first) are scored."""
+    with open(task["path"], encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    random.Random(1337).shuffle(items)
+    n = len(items) if max_per_task < 0 else min(max_per_task, len(items))
+    if task["fewshot"] >= len(items):
+        raise ValueError(f"task {task['label']!r}: {task['fewshot']}-shot needs more than {len(items)} items")
+    return items, n
+
+
+def fewshot_indices(idx, n_items, k):
+    """k distinct item indices != idx, drawn with random.Random(1234 + idx). Same draw as
+    rng.sample([i for i in range(n_items) if i != idx], k), without building that list."""
+    picks = random.Random(1234 + idx).sample(range(n_items - 1), k)
+    return [j + (j >= idx) for j in picks]
+
+
+def render(task, item, examples):
+    """(full prompts, one per option; the text they share): the shared text is the prefix for
+    multiple_choice and language_modeling, the suffix for schema."""
+    d, kind = task["delimiter"], task["type"]
+    if kind == "multiple_choice":
+        shots = "".join(ex["query"] + d + ex["choices"][ex["gold"]] + "\n\n" for ex in examples)
+        prefix = shots + item["query"] + d
+        return [prefix + choice for choice in item["choices"]], prefix
+    if kind == "schema":
+        shots = "".join(ex["context_options"][ex["gold"]] + d + ex["continuation"] + "\n\n" for ex in examples)
+        suffix = d + item["continuation"]
+        return [shots + context + suffix for context in item["context_options"]], suffix
+    # language_modeling: contexts are stripped as in nanochat (some carry trailing whitespace)
+    shots = "".join(ex["context"].strip() + d + ex["continuation"] + "\n\n" for ex in examples)
+    prefix = shots + item["context"].strip() + d
+    return [prefix + item["continuation"]], prefix
+
+
+def common_length(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def task_sequences(tokenizer, task, items, idx, seq_len):
+    """Item idx as [(tokens, start)], one per option: the targets tokens[start:] are scored."""
+    examples = [items[j] for j in fewshot_indices(idx, len(items), task["fewshot"])]
+    fulls, shared = render(task, items[idx], examples)
+    encoded = tokenizer.encode_batch([shared] + fulls)
+    shared_ids, seqs = encoded[0], []
+    for ids in encoded[1:]:
+        ids = [tokenizer.bos_id] + ids
+        if task["type"] == "schema":
+            start = len(ids) - common_length(shared_ids[::-1], ids[::-1])
+        else:
+            start = common_length([tokenizer.bos_id] + shared_ids, ids)
+        if start >= len(ids):
+            raise ValueError(f"task {task['label']!r} item {idx}: empty continuation")
+        crop = max(0, len(ids) - (seq_len + 1))  # keep the end; the model reads seq_len tokens
+        seqs.append((ids[crop:], max(1, start - crop)))
+    return seqs
+
+
+def score_sequences(model, seqs, loops_list, batch_size):
+    """{K: (mean loss of the scored tokens (N,), all scored tokens argmax-correct (N,))} for
+    [(tokens, start)], batch_size sequences per forward, sorted by length to limit padding."""
+    device = next(model.parameters()).device
+    mean = {K: torch.zeros(len(seqs)) for K in loops_list}
+    exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    for b in range(0, len(order), batch_size):
+        chunk = order[b:b + batch_size]
+        # position p predicts tokens[p + 1]: targets are -1 before the scored span
+        x, y = collate([(t[:-1], [-1] * (s - 1) + t[s:]) for t, s in (seqs[i] for i in chunk)], device)
+        scored = y >= 0
+        for K, (loss, pred) in loop_losses(model, x, y, loops_list).items():
+            mean[K][chunk] = ((loss * scored).sum(1) / scored.sum(1)).float().cpu()
+            exact[K][chunk] = ((pred == y) | ~scored).all(1).cpu()
+    return {K: (mean[K], exact[K]) for K in loops_list}
+
+
+def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-1):
+    """{K: accuracy} on one task. Under torchrun each rank scores every world-th item."""
+    items, n = load_items(task, max_per_task)
+    rank, world = rank_world()
+    mine = range(rank, n, world)
+    seqs = [task_sequences(tokenizer, task, items, i, model.config.sequence_len) for i in mine]
+    scores = score_sequences(model, [s for item in seqs for s in item], loops_list, batch_size)
+    correct = []
+    for K in loops_list:
+        mean, exact = scores[K]
+        offset = right = 0
+        for i, item_seqs in zip(mine, seqs):
+            if task["type"] == "language_modeling":
+                right += exact[offset].item()
+            else:  # the option of lowest mean loss; ties go to the first, as in nanochat
+                right += mean[offset:offset + len(item_seqs)].argmin().item() == items[i]["gold"]
+            offset += len(item_seqs)
+        correct.append(right)
+    correct = torch.tensor(correct, dtype=torch.float64, device=next(model.parameters()).device)
+    all_reduce_sum(correct)
+    return {K: c / n for K, c in zip(loops_list, correct.tolist())}
+
+
+def centered(accuracy, baseline_percent):
+    r = baseline_percent / 100
+    return (accuracy - r) / (1 - r)
+
+
+def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=-1, log=print):
+    """{K: {"CORE": mean centered accuracy, "tasks": {label: {"accuracy", "centered"}}}}."""
+    results = {K: {"tasks": {}} for K in loops_list}
+    for task in tasks:
+        t0 = time.time()
+        accuracy = evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task)
+        for K, a in accuracy.items():
+            results[K]["tasks"][task["label"]] = {"accuracy": a, "centered": centered(a, task["baseline"])}
+        log(f"{task['label']:<34} {task['fewshot']:>2}-shot  " + "  ".join(
+            f"K={K}: {a:.4f}" for K, a in accuracy.items()) + f"  ({time.time() - t0:.1f}s)")
+    for r in results.values():
+        r["CORE"] = statistics.mean(t["centered"] for t in r["tasks"].values())
+    return results
+
+
+def fetch_bundle(bundle_dir, url):
+    """bundle_dir if it exists, else the zip at url (a top-level eval_bundle/) unpacked there.
+    The unpacked directory is renamed into place, so a half-extracted bundle is never seen."""
+    if os.path.isdir(bundle_dir):
+        return bundle_dir
+    parent = os.path.dirname(os.path.abspath(bundle_dir))
+    os.makedirs(parent, exist_ok=True)
+    zip_path = data.download(url, os.path.abspath(bundle_dir) + ".zip")
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        with zipfile.ZipFile(zip_path) as z:
+            z.extractall(tmp)
+        inner = os.path.join(tmp, "eval_bundle")
+        if not os.path.isdir(inner):
+            raise ValueError(f"{zip_path}: expected a top-level eval_bundle/ directory")
+        os.replace(inner, bundle_dir)
+    os.remove(zip_path)
+    return bundle_dir
+
+# ----------------------------------------------------------------------------- samples and the table
+
+
+def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=None):
+    """{K: [prompt + continuation for each of SAMPLE_PROMPTS]}."""
+    device = next(model.parameters()).device
+    texts = {}
+    for K in loops_list:
+        texts[K] = []
+        for prompt in SAMPLE_PROMPTS:
+            ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+            n = min(max_new_tokens, model.config.sequence_len - len(ids))
+            with autocast(device.type):
+                new = [t.item() for t in model.generate(torch.tensor([ids], device=device), n,
+                                                         temperature, seed=seed, loops=K)]
+            texts[K].append(tokenizer.decode(ids[1:] + new))  # decoded whole: no split characters
+    return texts
+
+
+def table(results):
+    """Markdown in the layout of the paper's Table 1; CORE and accuracies in percent."""
+    cols = ["K", "Wiki2 ppl", "val bpb", "CORE", *TABLE_TASKS, "Avg"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for K, r in results.items():
+        accs = [r.get("tasks", {}).get(label, {}).get("accuracy") for label in TABLE_TASKS.values()]
+        avg = None if None in accs else statistics.mean(accs)
+        cells = [str(K), fmt(r.get("wiki_ppl"), 2), fmt(r.get("val_bpb"), 3), fmt(r.get("CORE"), 2, 100),
+                 *(fmt(a, 2, 100) for a in accs), fmt(avg, 2, 100)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def fmt(value, digits, scale=1):
+    return "" if value is None else f"{value * scale:.{digits}f}"
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_list(name, raw, allowed=None):
+    values = [v.strip() for v in raw.split(",") if v.strip()]
+    if allowed is None:
+        if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+            raise ValueError(f"--{name}={raw!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
+        return sorted(set(int(v) for v in values))
+    if not values or set(values) - set(allowed):
+        raise ValueError(f"--{name}={raw!r}: expected a comma-separated subset of {','.join(allowed)}")
+    return values
+
+
+def val_shard(settings, data_dir):
+    """The validation shard the checkpoint's training run held out (train.py's layout)."""
+    if settings.get("dataset", "embedded") == "embedded":
+        return data.embedded_corpus(data_dir)[-1]
+    name = data.SHARD_NAME.format(data.VAL_SHARD)
+    return data.download(f"{data.DEFAULT_BASE_URL}/{name}", os.path.join(data_dir, name))
+
+
+def main(argv):
+    if not argv or argv[0].startswith("--") or argv[0].endswith(".py"):
+        raise ValueError("usage: python eval.py <checkpoint dir> [config.py] [--key=value ...]")
+    ckpt, argv = argv[0], argv[1:]
+    # the run's settings live in a copy, so importing this module (train.py, tests) sees the defaults
+    c = SimpleNamespace(**configure(settings_of(globals()), argv))
+    run_modes, loops_list = parse_list("modes", c.modes, MODES), parse_list("loops", c.loops)
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda":
+        dev = f"cuda:{local_rank}"
+        torch.cuda.set_device(dev)
+    if ddp:
+        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+    rank, world = rank_world()
+
+    def print0(*args, **kwargs):
+        if rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    model, meta = load_model(ckpt, dev)
+    model.eval()
+    tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"))  # saved with the weights
+    settings = meta.get("settings", {})
+    data_dir = c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR)
+    seq_len = model.config.sequence_len
+    print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K="
+           f"{model.config.loops}; evaluating K in {loops_list} on {dev}, world {world}")
+
+    def fetched(fetch):
+        """Rank 0 downloads first; the other ranks then find the file in place."""
+        if rank == 0:
+            path = fetch()
+        if ddp:
+            dist.barrier()
+        return path if rank == 0 else fetch()
+
+    results = {K: {} for K in loops_list}
+    if "bpb" in run_modes:
+        files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
+        steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
+        loader = data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev)
+        bpb = evaluate_bpb(model, islice(loader, steps), tokenizer.token_bytes().to(dev), loops_list)
+        for K, v in bpb.items():
+            results[K]["val_bpb"] = v
+        print0(f"val bpb ({steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}): "
+               + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
+    if "wiki" in run_modes:
+        path = c.wiki_path or fetched(lambda: data.download(
+            c.wiki_url, os.path.join(data_dir, "wikitext", "wikitext-2-raw-v1-validation.parquet")))
+        ppl = evaluate_ppl(model, tokenizer, load_text(path), loops_list, c.batch_size)
+        for K, v in ppl.items():
+            results[K]["wiki_ppl"] = v
+        print0("wikitext-2 ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
+    if "core" in run_modes:
+        bundle = fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(data_dir, "eval_bundle"), c.bundle_url))
+        core = evaluate_core(model, tokenizer, load_bundle(bundle), loops_list, c.batch_size, c.max_per_task,
+                             log=print0)
+        for K, r in core.items():
+            results[K].update(r)
+        print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
+    if "sample" in run_modes and rank == 0:
+        for K, texts in sample(model, tokenizer, loops_list, c.sample_tokens, c.temperature, c.seed).items():
+            results[K]["samples"] = texts
+            print0(f"--- K={K}\n" + "\n".join(repr(t) for t in texts))
+    if rank == 0:
+        json_path = c.out or os.path.join(meta["path"], "eval.json")
+        md = table(results)
+        with open(json_path, "w") as f:
+            json.dump({"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
+                       "results": {str(K): r for K, r in results.items()}, "table": md}, f, indent=1)
+        with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
+            f.write(md)
+        print0("\n" + md + f"written to {json_path}")
+    if ddp:
+        dist.destroy_process_group()
+    return results
+
+
+def bench(depth=4, seq_len=256, n_seqs=32, repeats=3):
+    """CPU timings on a random depth-4 model: CORE-style scoring batched (8 per forward) vs one
+    sequence per forward, and the budget sweep in one pass vs a pass per K. The two sides of a
+    ratio alternate and the median is kept, so machine noise hits both alike."""
+    torch.manual_seed(0)
+    model = GPT(config_for_depth(depth, sequence_len=seq_len, vocab_size=4096, loops=12))
+    model.init_weights()
+    lengths = torch.randint(seq_len // 4, seq_len // 2, (n_seqs,)).tolist()
+    seqs = [(torch.randint(0, 4096, (n,)).tolist(), n - 5) for n in lengths]  # MC-like: 5 scored tokens
+    x = torch.randint(0, 4096, (4, seq_len))
+    budgets = [1, 3, 6, 9, 12]
+
+    def medians(fn_a, fn_b):
+        times = ([], [])
+        for _ in range(repeats):
+            for fn, ts in zip((fn_a, fn_b), times):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        return [statistics.median(ts) for ts in times]
+
+    single, batched = medians(lambda: score_sequences(model, seqs, [3], 1),
+                              lambda: score_sequences(model, seqs, [3], 8))
+    print(f"CORE scoring, K=3: {n_seqs / batched:.1f} seq/s batched (8/forward) vs {n_seqs / single:.1f} "
+          f"seq/s one per forward: {single / batched:.2f}x")
+    one, separate = medians(lambda: loop_losses(model, x, x, budgets),
+                            lambda: [loop_losses(model, x, x, [K]) for K in budgets])
+    print(f"budget sweep K in {budgets}, B={len(x)}, T={seq_len}: one pass {one:.2f}s vs a pass per K "
+          f"{separate:.2f}s: {separate / one:.2f}x")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
