@@ -64,7 +64,7 @@ def configure(namespace, argv):
             continue
         key, sep, raw = arg[2:].partition("=")
         if key not in defaults:
-            raise ValueError(f"--{key}: unknown setting; known: {', '.join(sorted(defaults))}")
+            raise ValueError(f"--{key}: unknown setting {key!r}; known: {', '.join(sorted(defaults))}")
         if not sep and not isinstance(defaults[key], bool):
             raise ValueError(f"--{key}: expected --{key}=value")
         namespace[key] = _parse(key, raw, defaults[key], f"--{key}") if sep else True

@@ -383,3 +383,15 @@ def load_model(path, device="cpu"):
     model.load_state_dict(meta.pop("model"))
     meta["path"] = path
     return model.to(device), meta
+
+
+def peak_flops(device):
+    """Dense bf16 peak FLOP/s of one accelerator, for MFU; None where unknown (e.g. CPU)."""
+    if not str(device).startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+                       ("4090", 165e12), ("A10", 125e12)):
+        if key in name:
+            return flops
+    return None
