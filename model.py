@@ -62,6 +62,8 @@ class GPTConfig:
             bad("n_embd", f"must be n_head={self.n_head} times an even head dimension")
         if not self.window_pattern or set(self.window_pattern) - {"L", "S"}:
             bad("window_pattern", "expected a non-empty string of 'L' (full) and 'S' (sliding)")
+        if "S" in self.window_pattern and self.sequence_len < 4:
+            bad("window_pattern", "'S' needs sequence_len >= 4 (the window is sequence_len // 4)")
 
     @property
     def padded_vocab(self):
@@ -283,8 +285,8 @@ class GPT(nn.Module):
         pos = 0 if kv_cache is None else kv_cache.pos
         if pos + T > c.sequence_len:
             raise ValueError(f"input of {pos + T} tokens exceeds sequence_len={c.sequence_len}")
-        if kv_cache is not None and kv_cache.loops < K:
-            raise ValueError(f"loops={K} exceeds the KV cache's loops={kv_cache.loops}")
+        if kv_cache is not None and kv_cache.loops != K:  # fewer would leave later loops' entries unwritten
+            raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
         rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
         e = self.transformer.wte(idx)
         if e.dtype != torch.float32 and not torch.is_autocast_enabled(e.device.type):

@@ -1,0 +1,1 @@
+# Lets a bare `pytest` import the project modules from the repository root.
