@@ -172,8 +172,9 @@ class Block(nn.Module):
     def forward(self, x, rope, h_prev=None, inject=None, cache=None):
         if inject == "res":   # FLT_res: add the previous loop's output to the stream, renormalise
             x = norm(x + h_prev)
-        q_in = norm(h_prev) if inject == "attn" else norm(x)  # attention injection: queries from h(t-1)
-        x = x + self.attn(q_in, norm(x), rope, cache)
+        kv_in = norm(x)
+        q_in = norm(h_prev) if inject == "attn" else kv_in  # attention injection: queries from h(t-1)
+        x = x + self.attn(q_in, kv_in, rope, cache)
         return x + self.mlp(norm(x))
 
 
