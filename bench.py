@@ -1,9 +1,10 @@
 """
-Side-by-side speed checks of model.py (issue 2), each ratio measured in one run:
-    python bench.py                  # CPU fp32, depth 4, T=256, B=8
-    python bench.py --device=cuda    # the same on a GPU (bf16 autocast)
-Timings alternate between the two sides of each ratio and keep the median of several
-repeats, so machine noise hits both sides alike.
+Speed checks, measured side by side in one run.
+    python bench.py                               # CPU fp32 ratios: depth 4, T=256, B=8
+    python bench.py --mode=train --device=cuda --depth=12 --loops=9 --batch_size=8
+        # a training step: graph breaks, compile time, tokens/s, MFU, peak memory
+Ratio timings alternate between the two sides and keep the median of several repeats, so
+machine noise hits both sides alike.
 """
 import statistics
 import sys
@@ -12,23 +13,33 @@ import time
 import torch
 
 from configurator import configure
-from model import GPT, config_for_depth
+from model import GPT, config_for_depth, peak_flops
+from optim import build_optimizers
 
+mode = "ratios"             # ratios | train
 device = "cpu"
 depth = 4
 sequence_len = 256
 batch_size = 8
 loops = 3
-repeats = 5
-gen_tokens = 256
+repeats = 5                 # ratios: timed repeats of each side
+gen_tokens = 256            # ratios: tokens generated with and without the KV cache
+variant = "FLT"             # train mode
+attn = "full"               # train mode: full | mla
+n_kv_head = None            # train mode: None = n_head
+window_pattern = "L"        # train mode
+vocab_size = 151644         # train mode: the Qwen3 vocabulary
+checkpoint_loops = False    # train mode
+compile = True              # train mode, CUDA only
+steps = 10                  # train mode: timed steps, after two warm-up steps
 configure(globals(), sys.argv[1:])
 cuda = device.startswith("cuda")
 autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
 
 
-def make(variant="FLT", seq=sequence_len):
+def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's CPU BPE
     torch.manual_seed(0)
-    model = GPT(config_for_depth(depth, sequence_len=seq, vocab_size=8192, variant=variant, loops=loops))
+    model = GPT(config_for_depth(depth, sequence_len=seq, vocab_size=vocab, variant=variant, loops=loops, **kw))
     model.init_weights()
     return model.to(device)
 
@@ -44,18 +55,18 @@ def timed(fn):
 
 
 def ratio(name, fn_a, fn_b, bound):
-    """Median time of fn_a / fn_b, alternating the two; fn_a/fn_b each run once to warm up."""
+    """Median time of fn_a / fn_b, alternating the two after one warm-up call each."""
     fn_a(), fn_b()
     ta, tb = [], []
     for _ in range(repeats):
         ta.append(timed(fn_a))
         tb.append(timed(fn_b))
     a, b = statistics.median(ta), statistics.median(tb)
-    print(f"{name:<52} {a * 1e3:9.1f} ms / {b * 1e3:9.1f} ms = {a / b:5.2f}   (target {bound})")
+    print(f"{name:<56} {a * 1e3:9.1f} ms / {b * 1e3:9.1f} ms = {a / b:5.2f}  (target {bound})")
     return a / b
 
 
-def train_step(model, idx, K):
+def fwd_bwd(model, idx, K):
     def step():
         with autocast:
             loss = model(idx, idx, loops=K)
@@ -64,46 +75,88 @@ def train_step(model, idx, K):
     return step
 
 
-idx = torch.randint(0, 8192, (batch_size, sequence_len), device=device)
-flt, lt = make("FLT"), make("LT")
-print(f"device {device}, depth {depth}, T={sequence_len}, B={batch_size}, median of {repeats}")
-ratio(f"fwd+bwd FLT / LT, loops {loops}", train_step(flt, idx, loops), train_step(lt, idx, loops), "0.95-1.05")
-ratio("fwd+bwd loops 6 / loops 3 (FLT)", train_step(flt, idx, 6), train_step(flt, idx, 3), "<= 2.1")
+def ratios():
+    idx = torch.randint(0, 4096, (batch_size, sequence_len), device=device)
+    flt, lt = make("FLT"), make("LT")
+    print(f"device {device}, depth {depth}, T={sequence_len}, B={batch_size}, median of {repeats}")
+    ratio(f"fwd+bwd FLT / LT, loops {loops}", fwd_bwd(flt, idx, loops), fwd_bwd(lt, idx, loops), "0.95-1.05")
+    ratio("fwd+bwd loops 6 / loops 3 (FLT)", fwd_bwd(flt, idx, 6), fwd_bwd(flt, idx, 3), "<= 2.1")
 
-budgets = [1, 3, 6, 9, 12]
+    budgets = [1, 3, 6, 9, 12]
+
+    @torch.no_grad()
+    def one_pass():
+        with autocast:
+            hs = flt.loop_states(idx, max(budgets))
+            [flt.head(hs[K - 1]) for K in budgets]
+
+    @torch.no_grad()
+    def separate():
+        with autocast:
+            [flt(idx, loops=K) for K in budgets]
+
+    ratio(f"loops {budgets}: one all-loops pass / five passes", one_pass, separate, "<= 0.45")
+
+    gen = make("FLT", seq=2 * gen_tokens).eval()
+    prompt = torch.randint(0, 4096, (1, 16), device=device)
+
+    def cached():
+        with autocast:
+            for _ in gen.generate(prompt, gen_tokens, temperature=0, loops=loops):
+                pass
+
+    @torch.no_grad()
+    def recompute():  # the LM head on the last position only, as a careful uncached loop would
+        seq = prompt
+        with autocast:
+            for _ in range(gen_tokens):
+                last = gen.head(gen.loop_states(seq, loops)[-1][:, -1:])
+                seq = torch.cat([seq, last.argmax(-1)], dim=1)
+
+    r = ratio(f"generate {gen_tokens} tokens, loops {loops}: cached / recompute", cached, recompute, "<= 0.2")
+    print(f"cached generation is {1 / r:.1f}x faster than recomputing the full forward per token")
 
 
-@torch.no_grad()
-def one_pass():
-    with autocast:
-        [flt.head(h) for h in flt.loop_states(idx, max(budgets))]
+def train():
+    """One optimizer step of the real recipe (Muon + AdamW, bf16 autocast, compiled on CUDA)."""
+    model = make(variant, vocab=vocab_size, attn=attn, window_pattern=window_pattern,
+                 checkpoint_loops=checkpoint_loops, **({"n_kv_head": n_kv_head} if n_kv_head else {}))
+    if cuda:
+        model.transformer.wte.to(torch.bfloat16)
+    optimizers = build_optimizers(model)
+    idx = torch.randint(0, vocab_size, (batch_size, sequence_len), device=device)
+    explain = torch._dynamo.explain(model)(idx, idx)
+    print(f"graph breaks: {explain.graph_break_count} {[str(b.reason) for b in explain.break_reasons]}")
+    torch._dynamo.reset()
+    fwd = torch.compile(model, dynamic=False) if cuda and compile else model
+
+    def step():
+        with autocast:
+            loss = fwd(idx, idx)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+    first = timed(step)  # includes compilation
+    timed(step)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    dt = statistics.median(timed(step) for _ in range(steps))
+    tok_s = batch_size * sequence_len / dt
+    peak = peak_flops(device)
+    mfu = f"{100 * model.estimate_flops() * tok_s / peak:.1f}%" if peak else "n/a"
+    mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else "n/a"
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"{name} | {variant} depth {depth} loops {loops} attn {attn} B={batch_size} T={sequence_len} "
+          f"ckpt={checkpoint_loops} | first step {first:.1f} s | {dt * 1e3:.1f} ms/step | "
+          f"{tok_s:,.0f} tok/s | MFU {mfu} | peak {mem}")
 
 
-@torch.no_grad()
-def separate():
-    with autocast:
-        [flt(idx, loops=K) for K in budgets]
-
-
-ratio(f"all loops {budgets}: one pass / separate passes", one_pass, separate, "<= 0.45")
-
-gen = make("FLT", seq=2 * gen_tokens).eval()
-prompt = torch.randint(0, 8192, (1, 16), device=device)
-
-
-def cached():
-    with autocast:
-        for _ in gen.generate(prompt, gen_tokens, temperature=0, loops=loops):
-            pass
-
-
-@torch.no_grad()
-def recompute():
-    seq = prompt
-    with autocast:
-        for _ in range(gen_tokens):
-            seq = torch.cat([seq, gen(seq, loops=loops)[:, -1:].argmax(-1)], dim=1)
-
-
-r = ratio(f"generate {gen_tokens} tokens, loops {loops}: cached / recompute", cached, recompute, "<= 0.2")
-print(f"cached generation is {1 / r:.1f}x faster than recomputing the full forward per token")
+if __name__ == "__main__":
+    if mode not in ("ratios", "train"):
+        raise ValueError(f"mode={mode!r}: expected 'ratios' or 'train'")
+    if mode == "ratios":
+        ratios()
+    else:
+        train()

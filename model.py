@@ -85,8 +85,9 @@ def config_for_depth(depth, **overrides):
 
 
 def norm(x):
-    # Parameter-free RMSNorm (SPEC 2): the paper's only normalisation.
-    return F.rms_norm(x, (x.size(-1),))
+    # Parameter-free RMSNorm (SPEC 2): the paper's only normalisation. Written out rather than
+    # F.rms_norm, which is ~10x slower on CPU in torch 2.13 (torch.compile fuses either on GPU).
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
 
 
 def apply_rotary(x, cos, sin):
@@ -139,7 +140,8 @@ class CausalSelfAttention(nn.Module):
                 mask, causal = attention_mask(T, T, 0, self.window, q.device), False
         else:  # decoding: append this step's keys/values, attend over everything so far
             k, v, pos = cache(k, v)
-            mask, causal = attention_mask(T, k.size(2), pos, self.window, q.device), False
+            causal = False  # one new token sees every cached key: no mask unless windowed
+            mask = None if T == 1 and self.window is None else attention_mask(T, k.size(2), pos, self.window, q.device)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))

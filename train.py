@@ -29,7 +29,7 @@ from optim import build_optimizers
 out_dir = "out"
 resume = False              # continue from the newest checkpoint in out_dir
 eval_interval = 100         # validation bits-per-byte every N steps (and at the last step)
-eval_tokens = 2**16         # validation tokens per evaluation
+eval_tokens = 2**15         # validation tokens per evaluation
 save_interval = 100         # checkpoint every N steps (and at the last step)
 keep_checkpoints = 2        # older step_* directories are deleted
 sample_tokens = 64          # tokens sampled at the end of training (0 = no sample)
@@ -40,7 +40,7 @@ num_shards = 8              # fineweb: training shards to download (+ the valida
 tokenizer = "bpe"           # bpe = train a byte-level BPE on the corpus; or a tokenizer.json / hub name
 bpe_vocab_size = 4096
 # model (SPEC 2-3): d_model = 64 * depth, n_head = ceil(d_model / 128), depth blocks
-depth = 4
+depth = 3
 n_kv_head = None            # None = n_head (MHA); fewer = GQA
 sequence_len = 256
 loops = 3                   # K
@@ -53,7 +53,7 @@ checkpoint_loops = False    # per-loop activation checkpointing
 # optimisation (SPEC 6)
 total_batch_size = 8 * 256  # tokens per optimizer step (the paper: 2**19)
 device_batch_size = 8       # sequences per forward on one device
-num_steps = 300             # -1 = the paper's horizon: 20 tokens per non-embedding parameter
+num_steps = 250             # -1 = the paper's horizon: 20 tokens per non-embedding parameter
 matrix_lr = 0.02            # Muon
 embedding_lr = 0.2          # AdamW, times sqrt(768 / d_model)
 unembedding_lr = 0.004      # AdamW, times sqrt(768 / d_model)
