@@ -497,6 +497,7 @@ def main(argv):
             f.write(md)
         print0("\n" + md + f"written to {json_path}")
     if ddp:
+        dist.barrier()  # rank 0 was writing; no rank tears the group down under another
         dist.destroy_process_group()
     return results
 

@@ -291,4 +291,5 @@ if master and sample_tokens > 0:
         sample = [t.item() for t in raw_model.generate(prompt, n, temperature=0.8, top_k=50, seed=seed)]
     print0("sample:", repr(tok.decode(prompt[0].tolist() + sample)))
 if ddp:
+    dist.barrier()  # rank 0 may still be sampling; no rank tears gloo/NCCL down under another
     dist.destroy_process_group()

@@ -498,6 +498,7 @@ def _worker(rank, world, port, bundle, out_dir):
               "core": ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()  # no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 

@@ -300,6 +300,7 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
         except ValueError as error:
             result["wrong_world_size_errors"].append(str(error))
     torch.save(result, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
