@@ -9,8 +9,10 @@ machine noise hits both sides alike.
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from configurator import configure
 from model import GPT, config_for_depth, peak_flops
@@ -130,8 +132,13 @@ def train():
     torch._dynamo.reset()
     fwd = torch.compile(model, dynamic=False) if cuda and compile else model
 
+    # Full causal attention (self- and injected) must run the flash kernel: allow only that
+    # backend, so a fallback to the math kernel is an error rather than a silent slowdown.
+    flash_only = cuda and attn == "full" and set(window_pattern) == {"L"}
+    kernels = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash_only else nullcontext()
+
     def step():
-        with autocast:
+        with autocast, kernels:
             loss = fwd(idx, idx)
         loss.backward()
         for opt in optimizers:
@@ -150,7 +157,7 @@ def train():
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"{name} | {variant} depth {depth} loops {loops} attn {attn} B={batch_size} T={sequence_len} "
           f"ckpt={checkpoint_loops} | first step {first:.1f} s | {dt * 1e3:.1f} ms/step | "
-          f"{tok_s:,.0f} tok/s | MFU {mfu} | peak {mem}")
+          f"{tok_s:,.0f} tok/s | MFU {mfu} | peak {mem} | flash-only attention {flash_only}")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,8 @@ if ckpt_path:
         opt.load_state_dict(state)
     loader_state = rank_state["loader"]
     torch.set_rng_state(rank_state["rng"])
+    if cuda:
+        torch.cuda.set_rng_state(rank_state["cuda_rng"])
 if cuda and compile:
     model = torch.compile(model, dynamic=False)
 if ddp:
@@ -212,7 +214,8 @@ def save_checkpoint(it):
     if ddp:
         dist.barrier()
     torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
-                    rng=torch.get_rng_state(), world_size=world_size), os.path.join(tmp, f"rank{rank}.pt"))
+                    rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
+                    world_size=world_size), os.path.join(tmp, f"rank{rank}.pt"))
     if ddp:
         dist.barrier()
     if master:
