@@ -1,10 +1,8 @@
-"""
-Data: parquet shards with a `text` column, a byte-level BPE tokenizer, a streaming loader.
+"""Data: parquet shards with a `text` column, a byte-level BPE tokenizer, a streaming loader.
 
-The paper pretrains on FineWeb-Edu, streamed as the nanochat family's parquet shards. For
-CPU work the same code path runs on an embedded corpus built from text already on every
-machine with Python (the reference manual's topics and the standard library's docstrings),
-so a smoke test needs no network. Both are plain parquet shards; the last is validation.
+The paper pretrains on FineWeb-Edu (nanochat's parquet shards). For CPU work with no network the
+same code path runs on an embedded corpus built from text on every machine with Python (reference
+manual topics, stdlib docstrings). Both are plain parquet shards; the last is validation.
 
     python data.py --download 8     # first 8 FineWeb-Edu shards + the validation shard
     python data.py --embedded       # build the embedded corpus (no network)
@@ -38,10 +36,8 @@ HUB_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"
 DEFAULT_DATA_DIR = "data"
 BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document
 
-# ----------------------------------------------------------------------------------------
-# Files: a lock so concurrent ranks do the work once, and a robust download
 
-
+# ---- Files: a lock so concurrent ranks do the work once, and a robust download
 @contextlib.contextmanager
 def _locked(path):
     """Exclusive lock on path + '.lock'. flock is released by the kernel even if we crash."""
@@ -74,8 +70,7 @@ def _fetch(url, part):
 def download(url, path, retries=5, backoff=1.0):
     """Download url to path once: retries with exponential back-off, resume, atomic rename.
 
-    Concurrent callers (ranks, processes) wait on a lock and find the file there. A half-written
-    file is never visible at `path`: bytes go to path + '.part', renamed only when complete.
+    Concurrent callers wait on the lock; bytes go to path + '.part', renamed only when complete.
     """
     if os.path.exists(path):
         return path
@@ -91,15 +86,13 @@ def download(url, path, retries=5, backoff=1.0):
                 os.replace(part, path)
                 print(f"downloaded {url} -> {path} ({os.path.getsize(path):,} bytes)")
                 return path
-            except requests.HTTPError as e:
-                status = e.response.status_code
+            except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
+                status = e.response.status_code if isinstance(e, requests.HTTPError) else 0
                 if 400 <= status < 500 and status not in (408, 429):
                     # wrong URL or no access: retrying cannot help, and there is nothing to resume
                     if os.path.exists(part):
                         os.remove(part)
                     raise ConnectionError(f"download failed: {url}: HTTP {status}") from e
-                error = e
-            except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
                 error = e
         raise ConnectionError(f"download failed after {retries} attempts: {url}: {error}")
 
@@ -149,13 +142,10 @@ def _read_texts(path, row_group):
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{path}: row group {row_group} is unreadable: {e}") from e
 
-# ----------------------------------------------------------------------------------------
-# The embedded corpus: ~1.7 MB of English prose that ships with every Python
 
-
-# Modules that act on import (open a browser, print, touch the terminal) or are not prose
-# (encodings: ~100 generated codec stubs); distutils/lib2to3 are deprecated and environment-
-# dependent (setuptools replaces distutils), which would break determinism.
+# ---- The embedded corpus: ~1.7 MB of English prose that ships with every Python
+# Modules that act on import (open a browser, print, touch the terminal) or are not prose (encodings:
+# ~100 codec stubs); distutils/lib2to3 are deprecated and environment-dependent: not deterministic.
 _SKIP_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "readline",
                  "rlcompleter", "test", "encodings", "distutils", "lib2to3"}
 EMBEDDED_SHARDS = 5      # 4 training shards + 1 validation shard
@@ -235,10 +225,8 @@ def embedded_corpus(data_dir):
               f"(validation: {len(val)} docs, {n_bytes[-1]:,} bytes)")
         return list_shards(out)
 
-# ----------------------------------------------------------------------------------------
-# Tokenizer
 
-
+# ---- Tokenizer
 class Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` with a document token (BOS) and a byte table."""
 
@@ -263,8 +251,8 @@ class Tokenizer:
     def token_bytes(self):
         """UTF-8 bytes each id stands for (0 for special tokens), for bits per byte.
 
-        Not len(decode([id])): a lone id may be part of a multi-byte character and decode to
-        U+FFFD. In byte-level BPE every character of a token string is one byte.
+        Not len(decode([id])), which is U+FFFD for part of a multi-byte character: in byte-level
+        BPE every character of a token string is one byte.
         """
         alphabet = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
         added = self.tok.get_added_tokens_decoder()
@@ -333,21 +321,16 @@ def get_tokenizer(spec, data_dir, train_files, vocab_size):
             return load_tokenizer(path)
         return train_tokenizer(train_files, vocab_size, path)
 
-# ----------------------------------------------------------------------------------------
-# Streaming loader
 
-
+# ---- Streaming loader
 class DataLoader:
     """Endless (x, y) batches of shape (B, T), y = x shifted by one.
 
-    The stream of a rank: its row groups in order (row group g of the concatenated files goes
-    to rank g % world_size), each document as [bos] + tokens, repeated epoch after epoch. The
-    stream is cut into consecutive windows of T+1 tokens; B windows make a batch.
-
-    state_dict() is the position of the next unread token: {"epoch", "file", "row_group",
-    "offset", "rank", "world_size"}, where offset counts the tokens of that row group already
-    used. A loader built with state=loader.state_dict() after batch n yields batch n+1 next.
-    Each rank has its own state, so a checkpoint keeps one per rank.
+    A rank's stream: its row groups in order (row group g of the concatenated files goes to rank
+    g % world_size), each document as [bos] + tokens, epoch after epoch, cut into consecutive
+    windows of T+1 tokens; B windows make a batch. state_dict() is the position of the next unread
+    token ({"epoch", "file", "row_group", "offset" (tokens of that row group used), "rank",
+    "world_size"}): a loader built with state=loader.state_dict() after batch n yields batch n+1.
     """
 
     def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None):
@@ -371,14 +354,12 @@ class DataLoader:
             raise ValueError(f"rank {rank} of {world_size} gets no documents: {len(groups)} row groups in "
                              f"{len(self.files)} files ({self.files[0]}, ...); use fewer ranks or more data")
         self.epoch, self.pos, self.offset, self.tokens = 0, 0, 0, None
-        if state is not None:
-            self._load_state(state)
-
-    def _load_state(self, state):
+        if state is None:
+            return
         where = (state["file"], state["row_group"])
-        if (state["rank"], state["world_size"]) != (self.rank, self.world_size) or where not in self.groups:
-            raise ValueError(f"loader state {state} is not a position of rank {self.rank} of "
-                             f"{self.world_size} in these {len(self.files)} files")
+        if (state["rank"], state["world_size"]) != (rank, world_size) or where not in self.groups:
+            raise ValueError(f"loader state {state} is not a position of rank {rank} of "
+                             f"{world_size} in these {len(self.files)} files")
         self.epoch, self.pos, self.offset = state["epoch"], self.groups.index(where), state["offset"]
         self.tokens = self._tokenize(self.pos)
         if not 0 <= self.offset < len(self.tokens):
@@ -394,13 +375,15 @@ class DataLoader:
         file, row_group = self.groups[pos]
         stream = []
         for ids in self.tokenizer.encode_batch(_read_texts(self.files[file], row_group)):
-            stream.append(self.tokenizer.bos_id)
-            stream.extend(ids)
+            stream += [self.tokenizer.bos_id, *ids]
         return torch.tensor(stream, dtype=torch.long)
 
-    def _take(self, n):
-        """The next n tokens of the stream, moving through row groups and epochs."""
-        pieces = []
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        """The next B*(T+1) tokens of the stream, moving through row groups and epochs."""
+        pieces, n = [], self.B * (self.T + 1)
         while n:
             if self.tokens is None:
                 self.tokens = self._tokenize(self.pos)
@@ -412,20 +395,12 @@ class DataLoader:
                 self.pos, self.offset, self.tokens = self.pos + 1, 0, None
                 if self.pos == len(self.groups):
                     self.pos, self.epoch = 0, self.epoch + 1
-        return pieces
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
         cuda = self.device.type == "cuda"
         # pinned host memory lets the copy to the GPU overlap with compute (non_blocking)
         buf = torch.empty(self.B * (self.T + 1), dtype=torch.long, pin_memory=cuda)
-        torch.cat(self._take(len(buf)), out=buf)
+        torch.cat(pieces, out=buf)
         w = buf.view(self.B, self.T + 1).to(self.device, non_blocking=cuda)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-
-# ----------------------------------------------------------------------------------------
 
 
 def bench(data_dir, vocab_size, batch_size=8, seq_len=256, seconds=5.0):
