@@ -32,7 +32,7 @@ n_kv_head = None            # train mode: None = n_head
 window_pattern = "L"        # train mode
 vocab_size = 151644         # train mode: the Qwen3 vocabulary
 checkpoint_loops = False    # train mode
-compile = True              # train mode, CUDA only
+compile = True              # train mode: torch.compile (dynamic=False)
 steps = 10                  # train mode: timed steps, after two warm-up steps
 configure(globals(), sys.argv[1:])
 cuda = device.startswith("cuda")
@@ -120,7 +120,7 @@ def ratios():
 
 
 def train():
-    """One optimizer step of the real recipe (Muon + AdamW, bf16 autocast, compiled on CUDA)."""
+    """One optimizer step of the real recipe (Muon + AdamW, bf16 autocast on CUDA, compiled)."""
     model = make(variant, vocab=vocab_size, attn=attn, window_pattern=window_pattern,
                  checkpoint_loops=checkpoint_loops, **({"n_kv_head": n_kv_head} if n_kv_head else {}))
     if cuda:
@@ -130,7 +130,7 @@ def train():
     explain = torch._dynamo.explain(model)(idx, idx)
     print(f"graph breaks: {explain.graph_break_count} {[str(b.reason) for b in explain.break_reasons]}")
     torch._dynamo.reset()
-    fwd = torch.compile(model, dynamic=False) if cuda and compile else model
+    fwd = torch.compile(model, dynamic=False) if compile else model
 
     # Full causal attention (self- and injected) must run the flash kernel: allow only that
     # backend, so a fallback to the math kernel is an error rather than a silent slowdown.

@@ -62,7 +62,7 @@ momentum_warmup_steps = 300  # Muon momentum 0.85 -> 0.95
 grad_clip = 1.0
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
-compile = True              # torch.compile on CUDA (ignored elsewhere, where it is slower)
+compile = "auto"            # torch.compile: auto (CUDA only; on CPU it costs more than it saves) | on | off
 seed = 1337
 settings = configure(globals(), sys.argv[1:])
 # Settings a resumed run may change; everything else must match the checkpoint.
@@ -98,14 +98,18 @@ if total_batch_size % tokens_per_fwd:
                      f"sequence_len * world_size = {tokens_per_fwd}")
 grad_accum = total_batch_size // tokens_per_fwd
 
-# Data: rank 0 builds or downloads the corpus and the tokenizer first, then every rank loads them.
+if compile not in ("auto", "on", "off"):
+    raise ValueError(f"compile={compile!r}: expected 'auto', 'on' or 'off'")
 if dataset not in ("embedded", "fineweb"):
     raise ValueError(f"dataset={dataset!r}: expected 'embedded' or 'fineweb'")
+
+# Data: rank 0 builds or downloads the corpus and the tokenizer first, then every rank loads them.
 
 
 def prepare():
     shards = data.embedded_corpus(data_dir) if dataset == "embedded" else data.download_shards(num_shards, data_dir)
-    return shards, data.get_tokenizer(tokenizer, data_dir, shards[:-1], bpe_vocab_size)
+    # A 'bpe' tokenizer is cached beside the shards it was trained on, one per corpus.
+    return shards, data.get_tokenizer(tokenizer, os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size)
 
 
 if ddp and not master:
@@ -162,7 +166,7 @@ if ckpt_path:
     torch.set_rng_state(rank_state["rng"])
     if cuda:
         torch.cuda.set_rng_state(rank_state["cuda_rng"])
-if cuda and compile:
+if compile == "on" or (compile == "auto" and cuda):
     model = torch.compile(model, dynamic=False)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if cuda else None)

@@ -81,6 +81,8 @@ def test_train_rejects_bad_settings(tmp_path, data_dir):
     assert p.returncode != 0 and "variant" in p.stderr
     p = train(tmp_path / "o", data_dir, "--total_batch_size=100", check=False)
     assert p.returncode != 0 and "total_batch_size=100" in p.stderr
+    p = train(tmp_path / "o", data_dir, "--compile=maybe", check=False)
+    assert p.returncode != 0 and "compile='maybe'" in p.stderr
 
 
 # ----------------------------------------------------------------------------- training
