@@ -3,9 +3,11 @@ Speed checks, measured side by side in one run.
     python bench.py                               # CPU fp32 ratios: depth 4, T=256, B=8
     python bench.py --mode=train --device=cuda --depth=12 --loops=9 --batch_size=8
         # a training step: graph breaks, compile time, tokens/s, MFU, peak memory
+    python bench.py --mode=loader     # data.DataLoader tokens/s on the embedded corpus
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
+import os
 import statistics
 import sys
 import time
@@ -14,11 +16,12 @@ from contextlib import nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import data
 from configurator import configure
 from model import GPT, config_for_depth, peak_flops
 from optim import build_optimizers
 
-mode = "ratios"             # ratios | train
+mode = "ratios"             # ratios | train | loader
 device = "cpu"
 depth = 4
 sequence_len = 256
@@ -34,6 +37,8 @@ vocab_size = 151644         # train mode: the Qwen3 vocabulary
 checkpoint_loops = False    # train mode
 compile = True              # train mode: torch.compile (dynamic=False)
 steps = 10                  # train mode: timed steps, after two warm-up steps
+data_dir = "data"           # loader mode
+seconds = 5.0               # loader mode
 configure(globals(), sys.argv[1:])
 cuda = device.startswith("cuda")
 autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
@@ -160,10 +165,21 @@ def train():
           f"{tok_s:,.0f} tok/s | MFU {mfu} | peak {mem} | flash-only attention {flash_only}")
 
 
+def loader():
+    """Tokens/s of the streaming loader (tokenization included), train.py's CPU defaults."""
+    files = data.embedded_corpus(data_dir)
+    tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
+    batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        next(batches)
+        n += 1
+    tok_s = n * batch_size * sequence_len / (time.perf_counter() - t0)
+    print(f"loader: {tok_s:,.0f} tokens/s (B={batch_size}, T={sequence_len}, {os.cpu_count()} CPUs)")
+
+
 if __name__ == "__main__":
-    if mode not in ("ratios", "train"):
-        raise ValueError(f"mode={mode!r}: expected 'ratios' or 'train'")
-    if mode == "ratios":
-        ratios()
-    else:
-        train()
+    modes = {"ratios": ratios, "train": train, "loader": loader}
+    if mode not in modes:
+        raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
+    modes[mode]()

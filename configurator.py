@@ -1,14 +1,13 @@
-"""
-nanoGPT-style settings: a script's module-level variables *are* its settings.
+"""nanoGPT-style settings: a script's module-level variables *are* its settings.
     python train.py config/flt_base.py --loops=9 --resume
-A config file (a Python file, positional) overrides the defaults, then each --key=value
-overrides both; a bare --key sets a boolean to True. Unknown keys and values of the wrong
-type are errors that name the key, never silently ignored.
+A config file (positional) overrides the defaults, each --key=value overrides both, a bare
+--key sets a boolean. Unknown keys and wrong types are errors naming the key, never ignored.
 """
 import ast
 import types
 
 SETTING_TYPES = (bool, int, float, str, type(None))
+BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def settings_of(namespace):
@@ -29,11 +28,9 @@ def _parse(key, raw, default, source):
     if isinstance(default, str):
         return raw                       # strings are taken as written: --loops=1,3,6
     if isinstance(default, bool):
-        if raw.lower() in ("true", "1", "yes"):
-            return True
-        if raw.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"{source}: setting {key!r} expects a bool (true/false), got {raw!r}")
+        if raw.lower() not in BOOLS:
+            raise ValueError(f"{source}: setting {key!r} expects a bool (true/false), got {raw!r}")
+        return BOOLS[raw.lower()]
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):

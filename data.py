@@ -6,7 +6,6 @@ manual topics, stdlib docstrings). Both are plain parquet shards; the last is va
 
     python data.py --download 8     # first 8 FineWeb-Edu shards + the validation shard
     python data.py --embedded       # build the embedded corpus (no network)
-    python data.py --bench          # loader tokens/s on the embedded corpus
 """
 import argparse
 import contextlib
@@ -403,34 +402,16 @@ class DataLoader:
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
-def bench(data_dir, vocab_size, batch_size=8, seq_len=256, seconds=5.0):
-    """Loader throughput on the embedded corpus, tokenization included."""
-    files = embedded_corpus(data_dir)
-    tokenizer = get_tokenizer("bpe", data_dir, files[:-1], vocab_size)
-    loader = DataLoader(files[:-1], tokenizer, batch_size, seq_len)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        next(loader)
-        n += 1
-    dt = time.perf_counter() - t0
-    print(f"loader: {n * batch_size * seq_len / dt:,.0f} tokens/s (B={batch_size}, T={seq_len}, "
-          f"vocab {tokenizer.vocab_size}, {os.cpu_count()} CPUs, {n} batches)")
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--download", type=int, metavar="N", help="first N FineWeb-Edu shards + validation")
     action.add_argument("--embedded", action="store_true", help="build the embedded corpus")
-    action.add_argument("--bench", action="store_true", help="loader tokens/s on the embedded corpus")
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL)
-    parser.add_argument("--vocab_size", type=int, default=4096, help="BPE vocabulary for --bench")
     args = parser.parse_args()
     if args.download is not None:
         download_shards(args.download, args.data_dir, args.base_url)
-    elif args.embedded:
-        embedded_corpus(args.data_dir)
     else:
-        bench(args.data_dir, args.vocab_size)
+        embedded_corpus(args.data_dir)
