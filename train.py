@@ -120,7 +120,7 @@ if ddp and master:
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
 token_bytes = tok.token_bytes().to(device)
 
-# Model: fresh, or exactly as saved (a resumed run may change only the schedule-free settings).
+# Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
 ckpt_path = None
 if resume:
     model, meta = load_model(out_dir, device)
