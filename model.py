@@ -175,7 +175,9 @@ class Block(nn.Module):
         if inject == "res":   # FLT_res: add the previous loop's output to the stream, renormalise
             x = norm(x + h_prev)
         kv_in = norm(x)
-        q_in = norm(h_prev) if inject == "attn" else kv_in  # attention injection: queries from h(t-1)
+        # Attention injection: queries from norm(h(t-1)); h(t-1) is already norm(stream), and norm
+        # is idempotent, so it is used as it is (no extra cost over self-attention).
+        q_in = h_prev if inject == "attn" else kv_in
         x = x + self.attn(q_in, kv_in, rope, cache)
         return x + self.mlp(norm(x))
 
