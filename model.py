@@ -133,15 +133,15 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # RoPE, then QK-norm
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # (B, H, T, D)
-        if cache is None:
-            if self.window is None:  # the flash kernel's path
-                mask, causal = None, True
-            else:
-                mask, causal = attention_mask(T, T, 0, self.window, q.device), False
-        else:  # decoding: append this step's keys/values, attend over everything so far
+        pos = 0
+        if cache is not None:  # decoding: append this step's keys/values, attend over all so far
             k, v, pos = cache(k, v)
-            causal = False  # one new token sees every cached key: no mask unless windowed
-            mask = None if T == 1 and self.window is None else attention_mask(T, k.size(2), pos, self.window, q.device)
+        if self.window is None and (cache is None or T == 1):
+            # full attention: is_causal without a cache (the flash kernel's path); one cached
+            # token sees every key, so it needs no mask at all
+            mask, causal = None, cache is None
+        else:
+            mask, causal = attention_mask(T, k.size(2), pos, self.window, q.device), False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
