@@ -186,12 +186,13 @@ class Block(nn.Module):
 # The five variants as data (SPEC 3): loop 1 is plain for all of them; for loops t >= 2,
 # where the stream restarts and which layers see h(t-1).
 
-def restart(variant, e, h_prev):
+def restart(variant, e, x0, h_prev):
+    """The stream at the start of loop t >= 2; x0 = norm(e) is where loop 1 started."""
     if variant == "LT":
         return h_prev                 # keep iterating on the previous loop's output
     if variant == "LT_i":
         return norm(e + h_prev)       # input injection
-    return norm(e)                    # LT_ai, FLT_res, FLT: every loop starts from the embedding
+    return x0                         # LT_ai, FLT_res, FLT: every loop starts from norm(e)
 
 
 def injection(variant, layer):
@@ -296,10 +297,10 @@ class GPT(nn.Module):
         e = self.transformer.wte(idx)
         if e.dtype != torch.float32 and not torch.is_autocast_enabled(e.device.type):
             e = e.float()  # the bf16 embedding table used outside autocast
-        hs, norms = [], []
+        x0, hs, norms = norm(e), [], []
         for t in range(K):
-            x = norm(e) if t == 0 else restart(c.variant, e, hs[-1])
             h_prev = hs[-1] if hs else None
+            x = x0 if t == 0 else restart(c.variant, e, x0, h_prev)
             caches = [None if kv_cache is None else partial(kv_cache.update, t, i)
                       for i in range(c.n_layer)]
             if c.checkpoint_loops and self.training and torch.is_grad_enabled():
