@@ -198,10 +198,9 @@ def grad_norm(module):
 def validate():
     """Validation bits-per-byte at the trained loop count, on the same held-out tokens each time."""
     val = data.DataLoader(val_files, tok, device_batch_size, sequence_len, rank, world_size, device)
-    model.eval()
-    with autocast:
-        bpb = evaluate_bpb(raw_model, (next(val) for _ in range(max(1, eval_tokens // tokens_per_fwd))),
-                           token_bytes, [config.loops])
+    model.eval()  # evaluate_bpb applies bf16 autocast on CUDA itself
+    bpb = evaluate_bpb(raw_model, (next(val) for _ in range(max(1, eval_tokens // tokens_per_fwd))),
+                       token_bytes, [config.loops])
     model.train()
     return bpb[config.loops]
 
