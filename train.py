@@ -9,39 +9,43 @@ config/paper.py holds the paper's recipe (SPEC 6).
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
 import data
 from configurator import configure
 from eval import evaluate_bpb
-from model import GPT, GPTConfig, load_model, model_state, peak_flops
+from model import GPT, GPTConfig, peak_flops
 from optim import build_optimizers
 
 # ----------------------------------------------------------------------------- settings
 # I/O
 out_dir = "out"
-resume = False              # continue from the newest checkpoint in out_dir
+resume = False              # continue from the newest readable checkpoint in out_dir
+overwrite = False           # a fresh run may delete the run already in out_dir (else it refuses)
 eval_interval = 100         # validation bits-per-byte every N steps (and at the last step)
-eval_tokens = 2**15         # validation tokens per evaluation
+eval_tokens = 2**15         # validation tokens per evaluation during training
+final_eval_tokens = 2**16   # validation tokens at the last step (the paper: 40 * 2**19)
 save_interval = 100         # checkpoint every N steps (and at the last step)
-keep_checkpoints = 2        # older step_* directories are deleted
+keep_checkpoints = 2        # the newest N step_* directories are kept; 0 = keep every one
 sample_tokens = 64          # tokens sampled at the end of training (0 = no sample)
 # data
 dataset = "embedded"        # embedded (built from Python's own docs, no network) | fineweb
 data_dir = "data"
-num_shards = 8              # fineweb: training shards to download (+ the validation shard)
+num_shards = -1             # fineweb training shards to download; -1 = enough for the horizon
 tokenizer = "bpe"           # bpe = train a byte-level BPE on the corpus; or a tokenizer.json / hub name
 bpe_vocab_size = 4096
+bos_token = data.BOS        # the document token before every document (the paper's Qwen3 runs: <|im_start|>)
 # model (SPEC 2-3): d_model = 64 * depth, n_head = ceil(d_model / 128), depth blocks
 depth = 3
-n_kv_head = None            # None = n_head (MHA); fewer = GQA
+n_kv_head = -1              # -1 = n_head (MHA); fewer = GQA (must divide n_head)
 sequence_len = 256
 loops = 3                   # K
 variant = "FLT"             # LT | LT_i | LT_ai | FLT_res | FLT
@@ -53,34 +57,66 @@ checkpoint_loops = False    # per-loop activation checkpointing
 # optimisation (SPEC 6)
 total_batch_size = 8 * 256  # tokens per optimizer step (the paper: 2**19)
 device_batch_size = 8       # sequences per forward on one device
-num_steps = 250             # -1 = the paper's horizon: 20 tokens per non-embedding parameter
+num_steps = 250             # -1 = the horizon: 20 tokens per parameter (see horizon_params)
+horizon_params = "all"      # all: 20 x every parameter (the authors' code) | non_embedding (the appendix)
 matrix_lr = 0.02            # Muon
 embedding_lr = 0.2          # AdamW, times sqrt(768 / d_model)
 unembedding_lr = 0.004      # AdamW, times sqrt(768 / d_model)
 warmdown_frac = 0.2         # constant LR, then linear to 0 over the last 20% of steps
 momentum_warmup_steps = 300  # Muon momentum 0.85 -> 0.95
 grad_clip = 1.0
+divergence_window = 0       # stop once the smoothed loss has been > divergence_nats above its
+divergence_nats = 1.0       # running minimum for this many steps in a row (0 = never stop for that)
+watch_layer = 4             # gradient norms of this layer's MLP and attention are logged (the paper's 5th)
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
 compile = "auto"            # torch.compile: auto (CUDA only; on CPU it costs more than it saves) | on | off
+dist_timeout = 1800         # seconds a rank waits in a collective before the job ends with an error
 seed = 1337
 settings = configure(globals(), sys.argv[1:])
 # Settings a resumed run may change; everything else must match the checkpoint.
-RESUMABLE = {"resume", "num_steps", "eval_interval", "eval_tokens", "save_interval", "keep_checkpoints",
-             "sample_tokens", "device", "compile", "data_dir", "out_dir"}
+RESUMABLE = {"resume", "overwrite", "num_steps", "eval_interval", "eval_tokens", "final_eval_tokens",
+             "save_interval", "keep_checkpoints", "sample_tokens", "device", "compile", "data_dir",
+             "out_dir", "divergence_window", "divergence_nats", "dist_timeout"}
+
+
+def check_settings():
+    """Errors that name the setting, before any data, model or process group exists."""
+    def bad(key, allowed):
+        raise ValueError(f"{key}={globals()[key]!r}: expected {allowed}")
+    for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
+                "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout"):
+        if globals()[key] < 1:
+            bad(key, "a positive integer")
+    if keep_checkpoints < 0:
+        bad("keep_checkpoints", ">= 1, or 0 to keep every checkpoint")
+    if n_kv_head == 0 or n_kv_head < -1:
+        bad("n_kv_head", "-1 (= n_head) or a positive divisor of n_head")
+    if num_steps == 0 or num_steps < -1 or num_shards == 0 or num_shards < -1:
+        bad("num_steps" if num_steps < 1 and num_steps != -1 else "num_shards", "-1 or a positive integer")
+    for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
+                         ("horizon_params", ("all", "non_embedding"))):
+        if globals()[key] not in allowed:
+            bad(key, " or ".join(map(repr, allowed)))
+    if divergence_window < 0 or divergence_nats <= 0:
+        bad("divergence_window" if divergence_window < 0 else "divergence_nats", "a value >= 0 (window), > 0 (nats)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device; "
+                         f"use --device=cpu")
+
+
+check_settings()
 
 # ----------------------------------------------------------------------------- setup
 ddp = "RANK" in os.environ
 rank, local_rank, world_size = 0, 0, 1
 if ddp:
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+master = rank == 0
 device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 if device == "cuda":
     device = f"cuda:{local_rank}"
     torch.cuda.set_device(device)
-if ddp:
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-master = rank == 0
 cuda = device.startswith("cuda")
 
 
@@ -89,6 +125,53 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def stop(message, code):
+    """End every rank the same way: they all see the same all-reduced numbers, so all stop here."""
+    if master:
+        print(message, file=sys.stderr if code else sys.stdout, flush=True)
+    if ddp:
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+# The run directory: checked and locked before any minute is spent on data or the model.
+run_lock = None
+if master:
+    checkpoint.prepare_out_dir(out_dir, resume, overwrite)
+    run_lock = checkpoint.lock_out_dir(out_dir)
+
+# Data: every rank prepares it before the process group exists (a download of many GB would
+# outlast a collective's timeout); file locks make one process do each piece of work.
+if dataset == "embedded":
+    shards = data.embedded_corpus(data_dir)
+if tokenizer != "bpe":
+    tok = data.load_tokenizer(tokenizer, cache_dir=data_dir, bos=bos_token)
+elif dataset == "embedded":  # the local BPE is trained on the training shards, cached beside them
+    tok = data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size, bos=bos_token)
+else:
+    tok = None  # trained once the shards are here; the horizon below counts bpe_vocab_size ids
+n_head = math.ceil(64 * depth / 128)
+config = GPTConfig(sequence_len=sequence_len, vocab_size=tok.vocab_size if tok else bpe_vocab_size,
+                   n_layer=depth, n_head=n_head, n_kv_head=n_head if n_kv_head == -1 else n_kv_head,
+                   n_embd=64 * depth, loops=loops, variant=variant, attn=attn, kv_rank=kv_rank,
+                   window_pattern=window_pattern, loss_all_loops=loss_all_loops,
+                   checkpoint_loops=checkpoint_loops)
+with torch.device("meta"):  # parameter counts and FLOPs before any memory is spent
+    n_params = GPT(config).num_params()
+n_embedding = config.padded_vocab * config.n_embd
+horizon = {"all": n_params, "non_embedding": n_params - n_embedding}
+if num_steps == -1:  # SPEC 6: tokens = 20 x parameters; which parameters: see the README
+    num_steps = max(1, 20 * horizon[horizon_params] // total_batch_size)
+if dataset == "fineweb":
+    n_train = num_shards if num_shards > 0 else data.shards_for_tokens(num_steps * total_batch_size)
+    shards = data.download_shards(n_train, data_dir)
+if tok is None:
+    tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
+train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
+
+if ddp:
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=dist_timeout),
+                            device_id=torch.device(device) if cuda else None)
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
@@ -97,45 +180,30 @@ if total_batch_size % tokens_per_fwd:
     raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of device_batch_size * "
                      f"sequence_len * world_size = {tokens_per_fwd}")
 grad_accum = total_batch_size // tokens_per_fwd
-
-if compile not in ("auto", "on", "off"):
-    raise ValueError(f"compile={compile!r}: expected 'auto', 'on' or 'off'")
-if dataset not in ("embedded", "fineweb"):
-    raise ValueError(f"dataset={dataset!r}: expected 'embedded' or 'fineweb'")
-
-# Data: rank 0 builds or downloads the corpus and the tokenizer first, then every rank loads them.
-
-
-def prepare():
-    shards = data.embedded_corpus(data_dir) if dataset == "embedded" else data.download_shards(num_shards, data_dir)
-    # A 'bpe' tokenizer is cached beside the shards it was trained on, one per corpus.
-    return shards, data.get_tokenizer(tokenizer, os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size)
-
-
-if ddp and not master:
-    dist.barrier()
-shards, tok = prepare()
-if ddp and master:
-    dist.barrier()
-train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
 token_bytes = tok.token_bytes().to(device)
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
-ckpt_path = None
+ckpt_path, monitor = None, {"ema": None, "best": math.inf, "above": 0}
 if resume:
-    model, meta = load_model(out_dir, device)
-    ckpt_path, step = meta["path"], meta["step"]
+    ckpt_path, meta = checkpoint.load_newest(out_dir, device, world_size, log=print0)
+    step = meta["step"]
     changed = [k for k, v in meta["settings"].items() if settings.get(k) != v and k not in RESUMABLE]
     if changed:
         raise ValueError(f"--resume: settings {changed} differ from the checkpoint {ckpt_path}; "
                          f"only {sorted(RESUMABLE)} may change")
+    if step >= num_steps:
+        stop(f"--resume: {ckpt_path} is at step {step} and num_steps={num_steps}: nothing to do "
+             f"(raise --num_steps to train further); checkpoints untouched", 0 if step == num_steps else 2)
     print0(f"resuming from {ckpt_path} (step {step})")
+    with torch.device(device):
+        model = GPT(GPTConfig(**meta["config"]))
+    model.load_state_dict(meta["model"])
+    if master:  # newer but unreadable checkpoints must not outrank the ones this run will write
+        for s, path in checkpoint.list_checkpoints(out_dir):
+            if s > step:
+                os.replace(path, path + ".unreadable")
+                print0(f"moved the unreadable {path} aside to {path}.unreadable")
 else:
-    n_head = math.ceil(64 * depth / 128)
-    config = GPTConfig(sequence_len=sequence_len, vocab_size=tok.vocab_size, n_layer=depth, n_head=n_head,
-                       n_kv_head=n_kv_head or n_head, n_embd=64 * depth, loops=loops, variant=variant,
-                       attn=attn, kv_rank=kv_rank, window_pattern=window_pattern,
-                       loss_all_loops=loss_all_loops, checkpoint_loops=checkpoint_loops)
     with torch.device(device):
         model = GPT(config)
     model.init_weights()
@@ -143,29 +211,26 @@ else:
 start_step, raw_model, config = step, model, model.config
 if cuda:
     model.transformer.wte.to(torch.bfloat16)  # SPEC 6: the embedding table lives in bf16 on CUDA
-n_params = model.num_params()
-n_matrix = n_params - model.transformer.wte.weight.numel()
-if num_steps < 0:  # SPEC 6 horizon: tokens = 20 x parameters excluding the token embedding
-    num_steps = max(1, 20 * n_matrix // total_batch_size)
 flops_per_token = model.estimate_flops()  # counts the loops
-print0(f"{config.variant}, {config.loops} loops, {n_params:,} parameters ({n_matrix:,} without the "
-       f"embedding); {num_steps} steps of {total_batch_size:,} tokens (grad accumulation {grad_accum}); "
+print0(f"{config.variant}, {config.loops} loops, {n_params:,} parameters, {horizon['non_embedding']:,} without "
+       f"the embedding; {num_steps} steps of {total_batch_size:,} tokens = {num_steps * total_batch_size:,} "
+       f"tokens (horizon_params={horizon_params!r}); grad accumulation {grad_accum}; "
        f"{flops_per_token:.3e} FLOPs/token; {device} x {world_size}")
 
 optimizers = build_optimizers(model, distributed=ddp, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
                               unembedding_lr=unembedding_lr)
 loader_state = None
 if ckpt_path:
-    rank_state = torch.load(os.path.join(ckpt_path, f"rank{rank}.pt"), weights_only=False)
+    rank_state = checkpoint.load_rank_state(ckpt_path, rank, device)
     if rank_state["world_size"] != world_size:
         raise ValueError(f"{ckpt_path} was saved by {rank_state['world_size']} ranks, this run has "
                          f"{world_size}: resume with the same world size")
     for opt, state in zip(optimizers, rank_state["optimizers"]):
         opt.load_state_dict(state)
-    loader_state = rank_state["loader"]
-    torch.set_rng_state(rank_state["rng"])
+    loader_state, monitor = rank_state["loader"], rank_state["monitor"]
+    torch.set_rng_state(rank_state["rng"].cpu())
     if cuda:
-        torch.cuda.set_rng_state(rank_state["cuda_rng"])
+        torch.cuda.set_rng_state(rank_state["cuda_rng"].cpu())
 if compile == "on" or (compile == "auto" and cuda):
     model = torch.compile(model, dynamic=False)
 if ddp:
@@ -185,8 +250,8 @@ def muon_momentum(it):
     return (1 - frac) * 0.85 + frac * 0.95
 
 
-# Pre-clip gradient norms of the modules the paper's Figure 3 follows (SPEC 5).
-mid = config.n_layer // 2
+# Pre-clip gradient norms of the modules the paper's Figures 3 and 8 follow (SPEC 5).
+mid = min(watch_layer, config.n_layer - 1)
 watched = {"mlp_first": raw_model.transformer.h[0].mlp, "lm_head": raw_model.lm_head,
            "mlp_mid": raw_model.transformer.h[mid].mlp, "attn_mid": raw_model.transformer.h[mid].attn}
 
@@ -195,53 +260,52 @@ def grad_norm(module):
     return torch.stack([p.grad.float().norm() for p in module.parameters()]).norm().item()
 
 
-def validate():
+def validate(n_tokens):
     """Validation bits-per-byte at the trained loop count, on the same held-out tokens each time."""
     val = data.DataLoader(val_files, tok, device_batch_size, sequence_len, rank, world_size, device)
     model.eval()  # evaluate_bpb applies bf16 autocast on CUDA itself
-    bpb = evaluate_bpb(raw_model, (next(val) for _ in range(max(1, eval_tokens // tokens_per_fwd))),
+    bpb = evaluate_bpb(raw_model, (next(val) for _ in range(max(1, n_tokens // tokens_per_fwd))),
                        token_bytes, [config.loops])
     model.train()
     return bpb[config.loops]
 
 
-def save_checkpoint(it):
-    """Atomic: every rank writes into tmp_step_N, which rank 0 then renames to step_N, so a
-    kill at any moment leaves the previous checkpoint complete and loadable."""
-    final, tmp = (os.path.join(out_dir, f"{p}step_{it:06d}") for p in ("", "tmp_"))
-    if master:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        torch.save(model_state(raw_model, step=it, settings=settings), os.path.join(tmp, "model.pt"))
-        tok.save(os.path.join(tmp, "tokenizer.json"))
-    if ddp:
-        dist.barrier()
-    torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
-                    rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
-                    world_size=world_size), os.path.join(tmp, f"rank{rank}.pt"))
-    if ddp:
-        dist.barrier()
-    if master:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(d for d in os.listdir(out_dir) if d.startswith("step_"))[:-keep_checkpoints]:
-            shutil.rmtree(os.path.join(out_dir, old))
-    if ddp:
-        dist.barrier()
+def save(it):
+    rank_state = dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
+                      rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
+                      world_size=world_size, monitor=monitor)
+    return checkpoint.save(out_dir, it, raw_model, rank_state, settings=settings, rank=rank,
+                           barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
+                           files={"tokenizer.json": tok.save})
 
 
 # ----------------------------------------------------------------------------- training
-os.makedirs(out_dir, exist_ok=True)
-log = open(os.path.join(out_dir, "log.jsonl"), "a") if master else None
-peak = peak_flops(device)
+log = None
+if master:
+    with open(os.path.join(out_dir, "settings.json.tmp"), "w") as f:
+        json.dump(settings | {"num_steps": num_steps}, f, indent=1)
+    os.replace(os.path.join(out_dir, "settings.json.tmp"), os.path.join(out_dir, "settings.json"))
+    log = open(os.path.join(out_dir, "log.jsonl"), "a")
+
+
+def write_log(record):
+    if log:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+
+peak, last_good = peak_flops(device), ckpt_path
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves
     record = {"step": step}
     if step % eval_interval == 0 or last_step:
-        record["val_bpb"] = validate()
+        record["val_bpb"] = validate(eval_tokens)
         print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f}")
+    if last_step:  # the paper's final number, on more tokens than the in-training checks
+        record["final_val_bpb"] = validate(final_eval_tokens)
+        print0(f"final val bpb ({final_eval_tokens:,} tokens): {record['final_val_bpb']:.4f}")
     if step > start_step and (step % save_interval == 0 or last_step):
-        save_checkpoint(step)
+        last_good = save(step)
     if last_step:
         break
 
@@ -257,12 +321,17 @@ while True:
         train_loss += loss.detach()
     if ddp:
         dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
-    if not torch.isfinite(train_loss):
-        print0(f"step {step}: loss is {train_loss.item()}; stopping. Parameters were not updated; "
-               f"the last good checkpoint is in {out_dir}")
-        sys.exit(1)
+    params = [p for p in raw_model.parameters() if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    resid = raw_model.resid_norms.max()  # an overflowed stream can still give a finite, useless loss
+    if not all(torch.isfinite(v) for v in (train_loss, total_norm, resid)):  # before any parameter moves
+        write_log({"step": step, "diverged": True, "loss": train_loss.item(), "grad_norm": total_norm.item()})
+        stop(f"step {step}: loss {train_loss.item()}, gradient norm {total_norm.item()}, residual norm "
+             f"{resid.item()}: not finite; stopped before the optimizer step, so the parameters were not "
+             f"updated. Last good checkpoint: {last_good or 'none yet'}", 1)
     record.update({f"grad_{k}": grad_norm(m) for k, m in watched.items()})
-    record["grad_norm"] = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip).item()
+    record["grad_norm"] = total_norm.item()
+    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total_norm)
     lrm = lr_multiplier(step)
     for opt in optimizers:
         for group in opt.param_groups:
@@ -279,16 +348,26 @@ while True:
     record.update(loss=train_loss.item(), lrm=lrm, resid_norms=raw_model.resid_norms.tolist(),
                   tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
                   if peak else None)
+    if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
+        record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
     print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | lrm {lrm:.2f} | grad {record['grad_norm']:.2f}"
            f" | resid {record['resid_norms'][-1]:.1f} | {tok_per_s:,.0f} tok/s{mfu}")
-    if log:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+    write_log(record)
+    # Divergence: the smoothed loss far above its running minimum for divergence_window steps.
+    monitor["ema"] = record["loss"] if monitor["ema"] is None else 0.9 * monitor["ema"] + 0.1 * record["loss"]
+    monitor["best"] = min(monitor["best"], monitor["ema"])
+    monitor["above"] = monitor["above"] + 1 if monitor["ema"] > monitor["best"] + divergence_nats else 0
+    if divergence_window and monitor["above"] >= divergence_window:
+        write_log({"step": step, "diverged": True, "loss": record["loss"]})
+        stop(f"step {step}: diverged: the smoothed loss {monitor['ema']:.3f} has been more than "
+             f"divergence_nats={divergence_nats} above its minimum {monitor['best']:.3f} for "
+             f"{monitor['above']} steps (divergence_window={divergence_window}). Last good checkpoint: "
+             f"{last_good or 'none yet'}", 3)
     step += 1
 
+write_log(record)
 if log:
-    log.write(json.dumps(record) + "\n")
     log.close()
 if master and sample_tokens > 0:
     prompt = torch.tensor([[tok.bos_id] + tok.encode("The")], device=device)

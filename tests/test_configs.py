@@ -48,7 +48,7 @@ def test_config_applies(name, monkeypatch):
     s = apply(name, monkeypatch)
     n_head = math.ceil(64 * s["depth"] / 128)
     GPTConfig(sequence_len=s["sequence_len"], vocab_size=151680, n_layer=s["depth"], n_head=n_head,
-              n_kv_head=s["n_kv_head"] or n_head, n_embd=64 * s["depth"], loops=s["loops"],
+              n_kv_head=n_head if s["n_kv_head"] == -1 else s["n_kv_head"], n_embd=64 * s["depth"], loops=s["loops"],
               variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
               window_pattern=s["window_pattern"])  # validates the model settings
     for world_size in (1, 8) if s["dataset"] == "fineweb" else (1,):
@@ -80,6 +80,6 @@ def test_paper_grid_is_complete():
 
 def test_attention_variants(monkeypatch):
     full, gqa, mla, swa = (apply(f"attn_{a}.py", monkeypatch) for a in ("full", "gqa", "mla", "swa"))
-    assert (gqa["n_kv_head"], mla["attn"], swa["window_pattern"]) == (2, "mla", "SSSL")
+    assert (gqa["n_kv_head"], mla["attn"], swa["window_pattern"]) == (3, "mla", "SSSL")
     for s, key in ((gqa, "n_kv_head"), (mla, "attn"), (swa, "window_pattern")):
         assert {k for k in s if s[k] != full[k]} == {key, "out_dir"}  # only its one setting differs

@@ -37,7 +37,7 @@ def train(out_dir, data_dir, *args, script="train.py", nproc=1, check=True):
 def losses(out_dir):
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}, records
+    return {r["step"]: r["loss"] for r in records if "loss" in r and not r.get("diverged")}, records
 
 
 # ----------------------------------------------------------------------------- settings
@@ -100,9 +100,10 @@ def test_short_run_learns_logs_and_saves(tmp_path, data_dir):
     assert len(r["resid_norms"]) == 3 and all(x > 0 for x in r["resid_norms"])
     for key in ("grad_norm", "grad_mlp_first", "grad_lm_head", "grad_mlp_mid", "grad_attn_mid", "lrm", "tok_per_s"):
         assert r[key] > 0, key
-    assert sorted(os.listdir(out)) == ["log.jsonl", "step_000020", "step_000030"]  # keep_checkpoints=2
+    assert sorted(os.listdir(out)) == ["log.jsonl", "run.lock", "settings.json", "step_000020", "step_000030"]
     assert "sample:" in p.stdout
-    saved = torch.load(out / "step_000030" / "model.pt", weights_only=False)
+    assert "final_val_bpb" in records[-1]
+    saved = torch.load(out / "step_000030" / "model.pt", weights_only=True)
     assert saved["step"] == 30 and saved["config"]["loops"] == 3
 
 
@@ -117,8 +118,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, data_dir):
     got, _ = losses(cut)
     assert sorted(got) == [4, 5, 6, 7]
     assert [got[s] for s in got] == [want[s] for s in got]  # exact, not approximate
-    a = torch.load(full / "step_000008" / "model.pt", weights_only=False)["model"]
-    b = torch.load(cut / "step_000008" / "model.pt", weights_only=False)["model"]
+    a = torch.load(full / "step_000008" / "model.pt", weights_only=True)["model"]
+    b = torch.load(cut / "step_000008" / "model.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -170,7 +171,196 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data_dir):
     out = tmp_path / "nan"
     p = train(out, data_dir, "--num_steps=10", "--save_interval=5", script=str(script), check=False)
     assert p.returncode == 1
-    assert "step 6: loss is nan" in p.stdout + p.stderr
+    assert "step 6: loss nan" in p.stderr and "parameters were not updated" in p.stderr
     assert sorted(d for d in os.listdir(out) if d.startswith("step_")) == ["step_000005"]
     by_step, _ = losses(out)
     assert max(by_step) == 5
+
+
+# ----------------------------------------------------------------------------- reliability (issue 13)
+
+def checkpoints(out):
+    return sorted(d for d in os.listdir(out) if d.startswith("step_"))
+
+
+def finished_run(tmp_path, data_dir, steps=6, *args):
+    out = tmp_path / "run"
+    train(out, data_dir, f"--num_steps={steps}", "--save_interval=3", "--sample_tokens=0", *args)
+    return out
+
+
+def test_resume_with_fewer_steps_stops_and_touches_nothing(tmp_path, data_dir):
+    out = finished_run(tmp_path, data_dir)
+    before = {d: os.path.getmtime(out / d / "model.pt") for d in checkpoints(out)}
+    p = train(out, data_dir, "--num_steps=4", "--resume", check=False)
+    assert p.returncode != 0 and "step 6 and num_steps=4" in p.stderr
+    p = train(out, data_dir, "--num_steps=6", "--resume", check=False)
+    assert p.returncode == 0 and "nothing to do" in p.stdout
+    assert {d: os.path.getmtime(out / d / "model.pt") for d in checkpoints(out)} == before
+
+
+def test_nonfinite_gradient_stops_before_the_update_and_saves_nothing(tmp_path, data_dir):
+    # The loss stays finite; one gradient turns NaN at step 4 (the 5th training backward).
+    patch = textwrap.dedent("""
+        import model
+        init, calls = model.GPT.init_weights, [0]
+        def poison(grad):
+            calls[0] += 1
+            return grad * float("nan") if calls[0] == 5 else grad
+        def init_weights(self):
+            init(self)
+            self.transformer.h[0].mlp.c_fc.weight.register_hook(poison)
+        model.GPT.init_weights = init_weights
+    """)
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(patch=patch))
+    out = tmp_path / "nan"
+    p = train(out, data_dir, "--num_steps=10", "--save_interval=3", script=str(script), check=False)
+    assert p.returncode == 1
+    assert "step 4: loss" in p.stderr and "gradient norm nan" in p.stderr
+    assert "parameters were not updated" in p.stderr and "step_000003" in p.stderr
+    assert checkpoints(out) == ["step_000003"]
+    saved = torch.load(out / "step_000003" / "model.pt", weights_only=True)["model"]
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    _, records = losses(out)
+    assert records[-1]["diverged"] is True and records[-1]["step"] == 4
+
+
+def test_a_dead_model_stops_with_a_nonzero_exit(tmp_path, data_dir):
+    """--matrix_lr=1e6 overflows the residual stream while the loss stays finite (a uniform guess)."""
+    out = tmp_path / "dead"
+    p = train(out, data_dir, "--num_steps=40", "--matrix_lr=1e6", "--sample_tokens=0", check=False)
+    assert p.returncode == 1 and "residual norm inf" in p.stderr, p.stdout[-2000:]
+    _, records = losses(out)
+    assert records[-1]["diverged"] is True and records[-1]["step"] < 10
+
+
+def test_loss_far_above_its_minimum_for_a_window_stops_the_run(tmp_path, data_dir):
+    patch = textwrap.dedent("""
+        import model
+        forward = model.GPT.forward
+        def worse(self, idx, targets=None, **kw):
+            out = forward(self, idx, targets, **kw)
+            worse.calls += targets is not None and self.training
+            return out + 5.0 * (worse.calls > 6) if targets is not None and self.training else out
+        worse.calls = 0
+        model.GPT.forward = worse
+    """)
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(patch=patch))
+    out = tmp_path / "div"
+    p = train(out, data_dir, "--num_steps=30", "--divergence_window=4", "--divergence_nats=1.0",
+              script=str(script), check=False)
+    assert p.returncode == 3 and "diverged" in p.stderr and "divergence_window=4" in p.stderr
+    _, records = losses(out)
+    # From step 6 the loss is 5 nats up; the EMA (0.9) rises by 0.5, 0.95, 1.36 nats: above the minimum
+    # + 1 nat from step 8 on, the 4th such step is 11 (+-1: the loss itself still moves a little).
+    assert records[-1]["diverged"] is True and 10 <= records[-1]["step"] <= 12
+
+
+def test_checkpoints_hold_no_code(tmp_path, data_dir):
+    """A crafted model.pt whose unpickling would run a command: refused, nothing runs."""
+    out = finished_run(tmp_path, data_dir)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    newest = out / checkpoints(out)[-1]
+    torch.save({"model": Evil(), "config": {}}, newest / "model.pt")
+    p = train(out, data_dir, "--num_steps=9", "--resume", check=False)
+    assert not marker.exists()
+    # the crafted checkpoint is named and skipped; the run resumes from the older one
+    assert f"skipping {newest}" in p.stdout and "step_000003" in p.stdout
+    assert p.returncode == 0, p.stderr
+    assert os.path.isdir(str(newest) + ".unreadable")
+    p = subprocess.run([sys.executable, "eval.py", str(newest) + ".unreadable", "--modes=bpb"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and not marker.exists()
+
+
+def test_truncated_checkpoint_falls_back_to_the_newest_readable(tmp_path, data_dir):
+    out = finished_run(tmp_path, data_dir)
+    newest = out / "step_000006" / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    os.makedirs(out / "step_zzz")  # not a checkpoint, whatever it holds
+    shutil.copy(out / "step_000003" / "model.pt", out / "step_zzz" / "model.pt")
+    p = train(out, data_dir, "--num_steps=7", "--resume")
+    assert f"skipping {out / 'step_000006'}: {newest}" in p.stdout
+    assert "resuming from" in p.stdout and "step_000003 (step 3)" in p.stdout
+    assert checkpoints(out) == ["step_000003", "step_000006.unreadable", "step_000007", "step_zzz"]
+
+
+def test_keep_checkpoints(tmp_path, data_dir):
+    p = train(tmp_path / "a", data_dir, "--keep_checkpoints=-1", check=False)
+    assert p.returncode != 0 and "keep_checkpoints=-1" in p.stderr
+    out = finished_run(tmp_path, data_dir, 6, "--keep_checkpoints=0")  # 0 keeps every one
+    assert checkpoints(out) == ["step_000003", "step_000006"]
+    out = tmp_path / "one"
+    train(out, data_dir, "--num_steps=6", "--save_interval=3", "--keep_checkpoints=1", "--sample_tokens=0")
+    assert checkpoints(out) == ["step_000006"]  # the newest is never the one deleted
+
+
+def test_fresh_run_refuses_an_out_dir_holding_another_run(tmp_path, data_dir):
+    out = finished_run(tmp_path, data_dir)
+    log_before = (out / "log.jsonl").read_text()
+    p = train(out, data_dir, "--num_steps=6", check=False)
+    assert p.returncode != 0 and "--resume" in p.stderr and "--out_dir" in p.stderr
+    assert (out / "log.jsonl").read_text() == log_before and checkpoints(out) == ["step_000003", "step_000006"]
+    train(out, data_dir, "--num_steps=2", "--save_interval=2", "--overwrite", "--sample_tokens=0")
+    assert checkpoints(out) == ["step_000002"]
+    by_step, _ = losses(out)
+    assert sorted(by_step) == [0, 1]  # the old run's log is gone, not interleaved
+
+
+def test_two_runs_on_one_out_dir_are_refused(tmp_path, data_dir):
+    import checkpoint
+    out = tmp_path / "busy"
+    os.makedirs(out)
+    held = checkpoint.lock_out_dir(str(out))
+    try:
+        p = train(out, data_dir, "--num_steps=2", check=False)
+    finally:
+        held.close()
+    assert p.returncode != 0 and "is in use by pid" in p.stderr and "step " not in p.stdout
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--device=cuda"], "device='cuda'"),
+    (["--eval_interval=0"], "eval_interval=0"),
+    (["--save_interval=-3"], "save_interval=-3"),
+    (["--device_batch_size=0"], "device_batch_size=0"),
+    (["--n_kv_head=0"], "n_kv_head=0"),
+    (["--depth=4", "--n_kv_head=3"], "n_kv_head=3"),  # n_head = ceil(256 / 128) = 2: 3 does not divide it
+    (["--num_steps=0"], "num_steps=0"),
+    (["--horizon_params=some"], "horizon_params='some'"),
+])
+def test_bad_settings_fail_fast_naming_the_setting(tmp_path, data_dir, args, match):
+    p = train(tmp_path / "o", data_dir, *args, check=False)
+    assert p.returncode != 0 and match in p.stderr, p.stderr[-1500:]
+    assert "step " not in p.stdout
+
+
+def test_unwritable_out_dir_is_found_before_training(tmp_path, data_dir):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = train(blocker / "out", data_dir, check=False)
+    assert p.returncode != 0 and "is not writable" in p.stderr and "step " not in p.stdout
+
+
+def test_hung_rank_ends_the_job_after_dist_timeout(tmp_path, data_dir):
+    patch = textwrap.dedent("""
+        import os, time, data
+        if os.environ.get("RANK") == "1":
+            nxt = data.DataLoader.__next__
+            def hang(self):
+                time.sleep(120)
+                return nxt(self)
+            data.DataLoader.__next__ = hang
+    """)
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(patch=patch))
+    p = train(tmp_path / "hang", data_dir, "--num_steps=4", "--total_batch_size=256", "--dist_timeout=5",
+              script=str(script), nproc=2, check=False)
+    assert p.returncode != 0
+    assert "timed out" in (p.stdout + p.stderr).lower() or "timeout" in (p.stdout + p.stderr).lower()

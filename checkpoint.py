@@ -1,0 +1,224 @@
+"""
+Checkpoints and run directories: how a multi-day run never loses work.
+
+    out_dir/
+        run.lock            held (flock) by the run writing here; the file itself means nothing
+        log.jsonl           one JSON line per step (train.py)
+        step_000500/        model.pt: weights, config, step, settings, format
+                            rank0.pt ... rankN.pt: each rank's optimizer shard, loader position, RNG
+                            tokenizer.json: the tokenizer the weights were trained with
+        step_001000/
+
+The rules, each one a test in tests/test_train.py:
+- A checkpoint is written into tmp_step_N and renamed to step_N once every rank has written its
+  part, so a kill at any moment leaves the previous checkpoint whole.
+- Non-finite parameters are never saved; the newest checkpoint is never pruned.
+- Everything is loaded with torch.load(weights_only=True): a checkpoint holds tensors, numbers,
+  strings, lists and dicts, so loading one from someone else runs none of their code.
+- model.pt carries a format number; weights of an older format compute different logits under
+  this code and are refused with a message, never loaded silently.
+- Only directories named step_<digits> holding model.pt are checkpoints, ordered by their number.
+  An unreadable one is reported and skipped: resume and eval fall back to the newest readable one.
+"""
+import fcntl
+import os
+import re
+import shutil
+import socket
+from dataclasses import asdict
+
+import torch
+
+# 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
+# authors' code does. Format-1 weights were trained with the opposite rotation.
+FORMAT = 2
+_STEP = re.compile(r"step_(\d+)")
+
+
+def step_name(step):
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(out_dir):
+    """[(step, path)] of the checkpoint directories in out_dir, oldest first (by number)."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(out_dir, d)) for d in os.listdir(out_dir)
+             if (m := _STEP.fullmatch(d)) and os.path.isfile(os.path.join(out_dir, d, "model.pt"))]
+    return sorted(found)
+
+
+def _load(path, device="cpu"):
+    """torch.load with weights_only=True; any failure becomes a ValueError naming the file."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # truncated zip, foreign pickle, a crafted file: never executed
+        raise ValueError(f"{path}: not a readable checkpoint file ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+def read_model_file(step_dir, device="cpu"):
+    """The dict in step_dir/model.pt, checked for its format."""
+    path = os.path.join(step_dir, "model.pt")
+    meta = _load(path, device)
+    if not isinstance(meta, dict) or "model" not in meta or "config" not in meta:
+        raise ValueError(f"{path}: not a model checkpoint (expected a dict with 'model' and 'config')")
+    if meta.get("format", 1) != FORMAT:
+        raise ValueError(f"{path} has checkpoint format {meta.get('format', 1)}, this code reads format "
+                         f"{FORMAT}: format-1 weights were trained with RoPE rotating the other way "
+                         f"and would give different logits here; retrain, or use the code they came from")
+    return meta
+
+
+def candidates(path):
+    """Step directories to try, newest first: `path` itself if it is one, else its checkpoints."""
+    if os.path.isfile(os.path.join(path, "model.pt")):
+        return [path]
+    found = [p for _, p in reversed(list_checkpoints(path))]
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {path!r}: expected model.pt or step_NNNNNN/ directories")
+    return found
+
+
+def load_newest(path, device="cpu", world_size=None, log=print):
+    """(step_dir, meta) of the newest readable checkpoint at path (a step dir or a run's out_dir).
+    With world_size, a checkpoint also needs a rank file per rank (to resume). An unreadable
+    checkpoint is reported and the next older one tried; only if none is readable is it an error."""
+    errors = []
+    for step_dir in candidates(path):
+        try:
+            meta = read_model_file(step_dir, device)
+            if world_size is not None:
+                for r in range(world_size):
+                    rank_file = os.path.join(step_dir, f"rank{r}.pt")
+                    if not os.path.isfile(rank_file) or os.path.getsize(rank_file) == 0:
+                        raise ValueError(f"{rank_file}: missing or empty (saved by a different world size?)")
+        except ValueError as e:
+            if "checkpoint format" in str(e):
+                raise  # an old format is no accident to skip past
+            errors.append(str(e))
+            log(f"skipping {step_dir}: {e}")
+            continue
+        if errors:
+            log(f"using {step_dir}, the newest readable checkpoint")
+        return step_dir, meta
+    raise ValueError(f"no readable checkpoint in {path!r}:\n  " + "\n  ".join(errors))
+
+
+def load_model(path, device="cpu", log=print):
+    """(model, meta) from a step directory or a run's out_dir (its newest readable checkpoint);
+    meta holds the step, the settings and `path`, the step directory used."""
+    from model import GPT, GPTConfig  # here, so model.py stays free of file handling
+    step_dir, meta = load_newest(path, device, log=log)
+    model = GPT(GPTConfig(**meta.pop("config")))
+    model.load_state_dict(meta.pop("model"))
+    meta["path"] = step_dir
+    return model.to(device), meta
+
+
+def load_rank_state(step_dir, rank, device="cpu"):
+    return _load(os.path.join(step_dir, f"rank{rank}.pt"), device)
+
+
+def _save(obj, path):
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the directory is renamed into place
+
+
+def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=lambda: None, keep=2,
+         files=None):
+    """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
+    prune to the newest `keep` (0 = keep all). files: {name: writer(path)} for rank 0 (tokenizer).
+    Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one."""
+    state = model.state_dict()
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"step {step}: non-finite parameters {bad[:3]}; not saving over a good checkpoint")
+    final, tmp = (os.path.join(out_dir, p + step_name(step)) for p in ("", "tmp_"))
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+        os.makedirs(tmp)
+        _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT),
+              os.path.join(tmp, "model.pt"))
+        for name, write in (files or {}).items():
+            write(os.path.join(tmp, name))
+    barrier()
+    _save(rank_state, os.path.join(tmp, f"rank{rank}.pt"))
+    barrier()
+    if rank == 0:
+        old = final + ".old"
+        if os.path.isdir(final):  # the same step saved again: the old copy goes only after the new is in
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        prune(out_dir, keep)
+    barrier()
+    return final
+
+
+def prune(out_dir, keep):
+    """Delete all but the newest `keep` checkpoints (0 = keep all); the newest always stays."""
+    if keep < 0:
+        raise ValueError(f"keep_checkpoints={keep}: expected >= 1, or 0 to keep every checkpoint")
+    if keep == 0:
+        return
+    for _, path in list_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(path)
+
+
+# ------------------------------------------------------------------------------------
+# The run directory: one run at a time, and a fresh run never mixes with an old one.
+
+RUN_FILES = ("log.jsonl",)
+
+
+def prepare_out_dir(out_dir, resume, overwrite):
+    """Check out_dir before any work: writable; --resume needs a checkpoint; a fresh run refuses a
+    directory holding another run unless overwrite=True (which deletes that run's files)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"out_dir={out_dir!r} is not writable: {e.strerror}") from e
+    steps = [os.path.basename(p) for _, p in list_checkpoints(out_dir)]
+    found = steps + [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+    if resume:
+        if not steps:
+            raise FileNotFoundError(f"--resume: no checkpoint (step_NNNNNN/model.pt) in out_dir={out_dir!r}")
+    elif found and not overwrite:
+        raise ValueError(f"out_dir={out_dir!r} already holds a run ({', '.join(found[-3:])}): continue it "
+                         f"with --resume, choose another --out_dir, or delete it with --overwrite")
+    elif found:
+        for name in os.listdir(out_dir):
+            if _STEP.fullmatch(name) or name.startswith("tmp_step_") or name in RUN_FILES:
+                path = os.path.join(out_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for name in os.listdir(out_dir):  # half-written checkpoints of a killed run
+        if name.startswith("tmp_step_"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def lock_out_dir(out_dir):
+    """Hold an exclusive lock on out_dir/run.lock for the life of the process (the kernel drops it
+    when the process ends, however it ends). A second run on the same out_dir is refused."""
+    path = os.path.join(out_dir, "run.lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"out_dir={out_dir!r} is in use by {owner} (lock {path}): wait for that run, "
+                         f"or choose another --out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    return f  # keep a reference: closing it releases the lock
