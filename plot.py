@@ -1,27 +1,91 @@
 """
-Redraw the paper's figures from this repo's outputs (needs matplotlib: pip install -r requirements-plot.txt).
-    python plot.py diag out/diag_lt_k12 out/diag_flt_k12 -o diag.png        # Figure 3
-    python plot.py budget out/flt_base/step_007683/eval.json ... --metric val_bpb -o budget.png
-diag: one column per quantity of the paper's diagnostic figure (Sec. 3), one line per run, from
-train.py's log.jsonl (a run directory or the file itself): the residual-state norm at the last
-loop (--max_over_loops adds the largest over loops, dashed), the training loss smoothed by a
-debiased EMA, and the first-layer MLP gradient norm (log scale).
-budget: test-time compute, a metric of eval.py's JSON against the evaluated loop count K, one
-line per checkpoint. --metric is a key of each K's results (val_bpb, wiki_ppl, CORE) or a CORE
-task label (its raw accuracy, e.g. hellaswag).
+Redraw the paper's figures and tables from this repo's outputs, one subcommand each (figures need
+matplotlib: pip install -r requirements-plot.txt):
+    python plot.py diag out/diag_lt_k6 out/diag_lt_k9 out/diag_lt_k12 out/diag_flt_k12 -o diag.png  # Figs. 2-4
+    python plot.py loss out/lt_k12 out/lt_i_k12 out/lt_ai_k12 out/flt_res_k12 out/flt_k12 -o loss.png  # Figs. 5, 10
+    python plot.py sweep out/flt_k3 out/flt_k6 out/flt_k9 out/flt_k12 --metric avg -o sweep.png  # Fig. 6
+    python plot.py resid out/diag_lt_k12 out/diag_flt_k12 --loops 6 9 12 -o resid.png     # Fig. 7
+    python plot.py grads out/diag_lt_k12 out/diag_flt_k12 -o grads.png                    # Fig. 8
+    python plot.py core out/table1_base_lt_k6 out/table1_base_flt_k6 -o core.png          # Fig. 9
+    python plot.py table out/table1_base_* --paper -o table1.md                          # Tables 1, 2
+Inputs are runs: train.py's out_dir, or a file or step_* directory inside it. The curves (diag, loss,
+resid, grads, core) read the run's log.jsonl; sweep and table read eval.py's eval.json (given, in the
+step directory given, or in the run's newest step_* that has one). A run is labelled
+"<variant> K=<loops>" from the settings.json train.py writes into out_dir, else by its directory's
+name; --labels overrides. Training losses are smoothed by an EMA with beta 0.9, as in the paper.
 """
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
+
+# eval.py's TABLE_TASKS (not imported: eval.py needs torch): Table 1's column -> CORE task label.
+TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
+         "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
+# Table 1's columns: (header, metric, scale, decimals); CORE and accuracies in percent, as in the paper.
+COLUMNS = [("Wiki2 ppl", "wiki_ppl", 1, 2), ("val bpb", "val_bpb", 1, 3), ("CORE", "CORE", 100, 2),
+           *((header, label, 100, 2) for header, label in TASKS.items()), ("Avg", "avg", 100, 2)]
+# The paper's Table 1 (SPEC 9) by (depth, variant, trained K), in eval.json's units (CORE and Avg as
+# fractions); the per-task columns are not in SPEC 9. None: training collapsed.
+PAPER = {(12, "LT", 3): dict(wiki_ppl=43.12, val_bpb=0.905, CORE=0.1613, avg=0.4052),
+         (12, "LT", 6): dict(wiki_ppl=51.38, val_bpb=0.947, CORE=0.1143, avg=0.3656),
+         (12, "LT", 9): None,
+         (12, "LT_i", 6): dict(wiki_ppl=39.58, val_bpb=0.900, CORE=0.1530, avg=0.4020),
+         (12, "FLT", 3): dict(wiki_ppl=40.47, val_bpb=0.898, CORE=0.1537, avg=0.3990),
+         (12, "FLT", 6): dict(wiki_ppl=39.51, val_bpb=0.892, CORE=0.1560, avg=0.4138),
+         (12, "FLT", 9): dict(wiki_ppl=38.44, val_bpb=0.892, CORE=0.1616, avg=0.4172),
+         (6, "LT", 9): dict(wiki_ppl=78.79, val_bpb=1.115), (6, "FLT", 9): dict(wiki_ppl=63.29, val_bpb=1.040)}
+
+
+# ----------------------------------------------------------------------------- reading runs
+def run_dir(path):
+    """train.py's out_dir holding path: a run directory, a step_* directory or a file in either."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return os.path.dirname(path) if os.path.basename(path).startswith("step_") else path
+
+
+def run_settings(path):
+    """The run's training settings (out_dir/settings.json, written by train.py); {} if it has none."""
+    settings = os.path.join(run_dir(path), "settings.json")
+    if not os.path.isfile(settings):
+        return {}
+    with open(settings) as f:
+        return json.load(f)
+
+
+def model_name(settings):
+    """The loop variant, with the attention where it is not plain MHA: FLT, FLT GQA(2), FLT MLA, FLT SWA(SSSL)."""
+    name = settings["variant"]
+    if settings.get("n_kv_head"):
+        name += f" GQA({settings['n_kv_head']})"
+    if settings.get("attn", "full") != "full":
+        name += " " + settings["attn"].upper()
+    if "S" in settings.get("window_pattern", "L"):
+        name += f" SWA({settings['window_pattern']})"
+    return name
+
+
+def run_name(path):
+    """The run's model name from its settings, else its directory's name."""
+    settings = run_settings(path)
+    return model_name(settings) if settings else os.path.basename(run_dir(path))
+
+
+def default_label(path):
+    settings = run_settings(path)
+    return f"{run_name(path)} K={settings['loops']}" if settings else run_name(path)
 
 
 def read_log(path):
-    """The records of a train.py log.jsonl, one per step in step order. A resumed run appends
-    to the same log, so a step may appear twice: the last occurrence wins. Evaluation-only
+    """The records of a train.py log.jsonl (or the run's), one per step in step order. A resumed run
+    appends to the same log, so a step may appear twice: the last occurrence wins. Evaluation-only
     records (the final step) have no "loss"."""
     if os.path.isdir(path):
-        path = os.path.join(path, "log.jsonl")
+        path = os.path.join(run_dir(path), "log.jsonl")
     records = {}
     with open(path) as f:
         for line in f:
@@ -29,6 +93,33 @@ def read_log(path):
                 r = json.loads(line)
                 records[r["step"]] = r
     return [records[s] for s in sorted(records)]
+
+
+def diverged(path):
+    """Whether the run's log marks it diverged (a record with "diverged": true)."""
+    log = os.path.join(run_dir(path), "log.jsonl")
+    return os.path.isfile(log) and any(r.get("diverged") for r in read_log(log))
+
+
+def read_eval(path):
+    """{K: results at K} of eval.py's JSON: {"results": {"<K>": {"val_bpb", "wiki_ppl", "CORE", "tasks":
+    {label: {"accuracy", "centered"}}}}, ...}, for the file, a step directory or a run's newest step_*."""
+    if os.path.isdir(path):
+        steps = [d for d in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, d, "eval.json"))]
+        path = os.path.join(path, *steps[-1:], "eval.json")  # a step directory holds it directly
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no eval.json; run eval.py on the run's checkpoint first")
+    with open(path) as f:
+        return {int(K): r for K, r in sorted(json.load(f)["results"].items(), key=lambda kv: int(kv[0]))}
+
+
+def metric(r, name):
+    """One number of eval.py's results at one K: val_bpb, wiki_ppl, CORE, a task label's raw accuracy,
+    or avg, the mean accuracy of Table 1's six tasks; None where it is missing."""
+    if name == "avg":
+        accs = [metric(r, label) for label in TASKS.values()]
+        return None if None in accs else statistics.mean(accs)
+    return r.get(name, r.get("tasks", {}).get(name, {}).get("accuracy"))
 
 
 def ema(values, beta=0.9):
@@ -41,25 +132,25 @@ def ema(values, beta=0.9):
     return out
 
 
-def read_eval(path, metric):
-    """(run name, {K: value}) from eval.py's JSON: {"checkpoint": <step dir>, "results": {"<K>":
-    {"val_bpb", "wiki_ppl", "CORE", "tasks": {label: {"accuracy", "centered"}}, ...}}}.
-    The run name is the checkpoint's run directory (out/flt_base/step_007683 -> flt_base)."""
-    with open(path) as f:
-        e = json.load(f)
-    points = {}
-    for K, r in e["results"].items():
-        value = r.get(metric, r.get("tasks", {}).get(metric, {}).get("accuracy"))
-        if value is not None:
-            points[int(K)] = value
-    if not points:
-        found = sorted({k for r in e["results"].values() for k in [*r, *r.get("tasks", {})]})
-        raise ValueError(f"{path}: no {metric!r} in its results; found {', '.join(found)}")
-    ckpt = os.path.normpath(e["checkpoint"])
-    run = os.path.dirname(ckpt) if os.path.basename(ckpt).startswith("step_") else ckpt
-    return os.path.basename(run), dict(sorted(points.items()))
+def series(value, smooth=False):
+    """A panel's curve of a run: (steps, value(record)) over the log records where it is a finite
+    number, EMA-smoothed if smooth."""
+    def curve(records):
+        points = [(r["step"], v) for r in records if (v := value(r)) is not None and math.isfinite(v)]
+        ys = [v for _, v in points]
+        return [s for s, _ in points], ema(ys) if smooth else ys
+    return curve
 
 
+def loop_norm(k):
+    """The residual-state norm at the end of loop k (1-based); None for runs with fewer loops."""
+    return series(lambda r: r["resid_norms"][k - 1] if len(r.get("resid_norms", ())) >= k else None)
+
+
+SMOOTHED_LOSS = ("training loss (EMA 0.9)", "loss", series(lambda r: r.get("loss"), smooth=True), False)
+
+
+# ----------------------------------------------------------------------------- figures
 def pyplot():
     try:
         import matplotlib
@@ -70,75 +161,141 @@ def pyplot():
     return plt
 
 
-def run_name(path):
-    path = os.path.abspath(path)
-    return os.path.basename(path if os.path.isdir(path) else os.path.dirname(path))
-
-
-def plot_diag(logs, labels, out, max_over_loops=False):
+def overlay(runs, panels, title, xlabel="step", mark_stops=True, marker=None):
+    """A row of panels, every run one line of its own colour in each. runs: [(label, data)]; panels:
+    [(title, y label, curve, log scale)], curve(data) -> (xs, ys), empty where the run lacks it. With
+    mark_stops, a line that ends before the longest one (a run that stopped early, e.g. diverged) ends
+    in an x."""
     plt = pyplot()
-    fig, (ax_resid, ax_loss, ax_grad) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for path, label in zip(logs, labels):
-        train = [r for r in read_log(path) if "loss" in r]
-        steps = [r["step"] for r in train]
-        line, = ax_resid.plot(steps, [r["resid_norms"][-1] for r in train], label=label)
-        if max_over_loops:
-            ax_resid.plot(steps, [max(r["resid_norms"]) for r in train], ls="--", color=line.get_color())
-        ax_loss.plot(steps, ema([r["loss"] for r in train]), label=label)
-        ax_grad.plot(steps, [r["grad_mlp_first"] for r in train], label=label)
-    ax_resid.set_title("residual-state norm, last loop" + (" (dashed: max)" if max_over_loops else ""))
-    ax_loss.set_title("training loss (EMA 0.9)")
-    ax_grad.set_title("first-layer MLP gradient norm")
-    ax_grad.set_yscale("log")
-    for ax in (ax_resid, ax_loss, ax_grad):
-        ax.set_xlabel("step")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (name, ylabel, curve, log) in zip(axes[0], panels):
+        lines = [(f"C{i}", label, *curve(data)) for i, (label, data) in enumerate(runs)]
+        lines = [line for line in lines if line[2]]
+        if not lines:
+            plt.close(fig)
+            raise ValueError(f"{name}: none of the runs has it ({', '.join(label for label, _ in runs)})")
+        end = max(xs[-1] for _, _, xs, _ in lines)
+        for color, label, xs, ys in lines:
+            stopped = mark_stops and xs[-1] < end
+            ax.plot(xs, ys, color=color, marker=marker, label=label + (f" (stopped at {xs[-1]})" if stopped else ""))
+            if stopped:
+                ax.plot(xs[-1:], ys[-1:], "x", color=color, ms=10, mew=2)
+        ax.set(title=name, xlabel=xlabel, ylabel=ylabel, yscale="log" if log else "linear")
         ax.grid(alpha=0.3)
-    ax_loss.legend()
-    save(fig, out)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return fig
 
 
-def plot_budget(evals, labels, out, metric):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    ks = set()
+def curves(command, logs, labels, loops):
+    """The figure of a log subcommand: its panels over the runs' logs."""
+    panels = {
+        "diag": [("residual-state norm, loop 1", "norm", loop_norm(1), False), SMOOTHED_LOSS,
+                 ("first-layer FFN gradient norm", "gradient norm", series(lambda r: r.get("grad_mlp_first")), True)],
+        "loss": [SMOOTHED_LOSS],
+        "resid": [(f"residual-state norm, loop {k}", "norm", loop_norm(k), False) for k in loops],
+        "grads": [(f"{name} gradient norm", "gradient norm", series(lambda r, key=key: r.get(key)), True)
+                  for name, key in (("LM head", "grad_lm_head"), ("5th-layer FFN", "grad_mlp_mid"),
+                                    ("5th-layer attention", "grad_attn_mid"))],
+        "core": [("CORE during training", "CORE (mean centered accuracy)", series(lambda r: r.get("core")), False)],
+    }[command]
+    titles = {"diag": "Training diagnostics (Figs. 2-4)", "loss": "Training loss (Figs. 5, 10)",
+              "resid": "Residual-state norm at later loops (Fig. 7)", "grads": "Gradient norms (Fig. 8)",
+              "core": "CORE during training (Fig. 9)"}
+    return overlay([(label, read_log(path)) for path, label in zip(logs, labels)], panels, titles[command])
+
+
+def sweep(evals, labels, name):
+    """Fig. 6: a metric against the loop count K at evaluation, one line per run, in training-K order."""
+    runs = sorted(((run_settings(path).get("loops", math.inf), label, read_eval(path))
+                   for path, label in zip(evals, labels)), key=lambda run: run[0])
+    points = [{K: v for K, r in results.items() if (v := metric(r, name)) is not None} for _, _, results in runs]
+    if not any(points):
+        found = sorted({k for *_, results in runs for r in results.values()
+                        for k in [*(k for k, v in r.items() if isinstance(v, (int, float))), *r.get("tasks", {})]})
+        raise ValueError(f"--metric {name!r}: not in the eval.json results; use avg or one of {', '.join(found)}")
+    ylabel = "six-task average accuracy" if name == "avg" else name
+    fig = overlay([(label, p) for (_, label, _), p in zip(runs, points)],
+                  [(ylabel, ylabel, lambda p: (list(p), list(p.values())), False)],
+                  "Test-time loop sweep, one line per trained K (Fig. 6)",
+                  xlabel="loops at evaluation (K)", mark_stops=False, marker="o")
+    fig.axes[0].set_xticks(sorted(set().union(*points)))
+    return fig
+
+
+# ----------------------------------------------------------------------------- Table 1
+def table(evals, labels, paper=False):
+    """Markdown in the paper's Table 1 layout, one row per run at its training K (every evaluated K
+    if the run has no settings.json). "-" for a missing value and for every value of a collapsed run:
+    its log marks it diverged, or a value at that K is not finite. paper: the paper's row below each
+    run it reports."""
+    rows = [["model", "depth", "K", *(header for header, *_ in COLUMNS)]]
     for path, label in zip(evals, labels):
-        name, points = read_eval(path, metric)
-        ax.plot(list(points), list(points.values()), marker="o", label=label or name)
-        ks |= set(points)
-    ax.set_xticks(sorted(ks))
-    ax.set_xlabel("loops at evaluation (K)")
-    ax.set_ylabel(metric)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, out)
+        settings, collapsed = run_settings(path), diverged(path)
+        results = {} if collapsed else read_eval(path)
+        for K in [settings["loops"]] if "loops" in settings else list(results) or ["-"]:
+            values = [metric(results.get(K, {}), key) for _, key, *_ in COLUMNS]
+            bad = any(v is not None and not math.isfinite(v) for v in values)
+            rows.append([label or run_name(path), settings.get("depth", "-"), K, *cells(values, collapsed or bad)])
+            key = (settings.get("depth"), model_name(settings), K) if settings else None
+            if paper and key in PAPER:
+                theirs = PAPER[key] or {}
+                rows.append(["paper", key[0], K, *cells([theirs.get(k) for _, k, *_ in COLUMNS], not theirs)])
+    return "".join("| " + " | ".join(map(str, row)) + " |\n" + ("|---" * len(row) + "|\n" if i == 0 else "")
+                   for i, row in enumerate(rows))
+
+
+def cells(values, collapsed):
+    """Table 1's cells for the values of COLUMNS' metrics."""
+    return ["-" if collapsed or v is None else f"{v * scale:.{digits}f}"
+            for v, (_, _, scale, digits) in zip(values, COLUMNS)]
 
 
 def save(fig, out):
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    pyplot().close(fig)
     print(f"wrote {out}")
 
 
 def main(argv):
+    """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for table, its Markdown."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    diag = commands.add_parser("diag", help="the diagnostic figure from train.py logs")
-    diag.add_argument("logs", nargs="+", help="run directories or their log.jsonl")
-    diag.add_argument("--max_over_loops", action="store_true", help="also the largest residual norm over loops")
-    budget = commands.add_parser("budget", help="a metric against the evaluated loop count K")
-    budget.add_argument("evals", nargs="+", help="eval.py JSON files")
-    budget.add_argument("--metric", default="val_bpb", help="val_bpb, wiki_ppl, CORE or a task label")
-    for p in (diag, budget):
-        p.add_argument("--labels", nargs="+", help="one per input (default: the run directory's name)")
-        p.add_argument("-o", "--out", default=f"{p.prog.split()[-1]}.png", help="PNG to write")
+    helps = {"diag": "residual norm (loop 1), training loss, first-layer FFN gradient norm (Figs. 2-4)",
+             "loss": "smoothed training loss; runs that stopped early end in an x (Figs. 5, 10)",
+             "sweep": "a metric against the loop count at evaluation, one line per trained K (Fig. 6)",
+             "resid": "residual-state norm at chosen loops over training (Fig. 7)",
+             "grads": "gradient norms of the LM head and the 5th layer's FFN and attention (Fig. 8)",
+             "core": "CORE during training (Fig. 9)",
+             "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)"}
+    for command, text in helps.items():
+        p = commands.add_parser(command, help=text, description=text)
+        p.add_argument("runs", nargs="+", help="run directories (out_dir), or files or step_* directories in them")
+        p.add_argument("--labels", nargs="+", help="one per run (default: <variant> K=<loops> from settings.json)")
+        p.add_argument("-o", "--out", default=None if command == "table" else f"{command}.png",
+                       help="Markdown file (default: stdout)" if command == "table" else "PNG to write")
+    commands.choices["sweep"].add_argument("--metric", default="avg", help="avg (of the six tasks), val_bpb, "
+                                           "wiki_ppl, CORE or a task label (its raw accuracy)")
+    commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
+    commands.choices["table"].add_argument("--paper", action="store_true", help="the paper's numbers below ours")
     args = parser.parse_args(argv)
-    inputs = args.logs if args.command == "diag" else args.evals
-    if args.labels and len(args.labels) != len(inputs):
-        parser.error(f"--labels: {len(args.labels)} given for {len(inputs)} inputs")
-    if args.command == "diag":
-        plot_diag(inputs, args.labels or [run_name(p) for p in inputs], args.out, args.max_over_loops)
+    if args.labels and len(args.labels) != len(args.runs):
+        parser.error(f"--labels: {len(args.labels)} given for {len(args.runs)} runs")
+    if args.command == "table":
+        md = table(args.runs, args.labels or [None] * len(args.runs), args.paper)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(md)
+        print(md, end="")
+        return md
+    labels = args.labels or [default_label(p) for p in args.runs]
+    if args.command == "sweep":
+        fig = sweep(args.runs, labels, args.metric)
     else:
-        plot_budget(inputs, args.labels or [None] * len(inputs), args.out, args.metric)
+        fig = curves(args.command, args.runs, labels, getattr(args, "loops", ()))
+    save(fig, args.out)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,33 +1,62 @@
-"""plot.py: the log and eval readers and the EMA need no matplotlib; the two figures are drawn
-only where it is installed (requirements-plot.txt)."""
+"""plot.py: every subcommand on small synthetic runs (train.py-style log.jsonl and settings.json,
+eval.py-style eval.json), checked against what was drawn or printed. The readers, the EMA and the
+table need no matplotlib; the figures are drawn only where it is installed (requirements-plot.txt)."""
 import json
+import math
 
 import pytest
 
 import plot
 
 
-def write_log(path, losses, resumed_from=None):
+def write_log(path, losses, resumed_from=None, extra=None):
     """A train.py-style log.jsonl: a training record per step with val_bpb every 2 steps, then the
-    final evaluation-only record; resumed_from=s appends a resumed run's records from step s."""
+    final evaluation-only record; resumed_from=s appends a resumed run's records from step s; extra:
+    more records (e.g. {"step": 2, "core": 0.1}) merged into the steps they name."""
     def record(step, loss):
-        r = dict(step=step, loss=loss, lrm=1.0, grad_norm=1.0, grad_mlp_first=0.1 * (step + 1), grad_lm_head=0.2,
-                 grad_mlp_mid=0.3, grad_attn_mid=0.4, resid_norms=[1.0, 3.0, 2.0 + step], tok_per_s=1e3,
-                 dt=0.1, mfu=None)
+        r = dict(step=step, loss=loss, lrm=1.0, grad_norm=1.0, grad_mlp_first=0.1 * (step + 1), grad_lm_head=0.2 + step,
+                 grad_mlp_mid=0.3 + step, grad_attn_mid=0.4 + step, resid_norms=[10.0 + step, 3.0, 2.0 + step],
+                 tok_per_s=1e3, dt=0.1, mfu=None)
         return r | ({"val_bpb": 2.0} if step % 2 == 0 else {})
     lines = [record(s, x) for s, x in enumerate(losses)] + [{"step": len(losses), "val_bpb": 1.5}]
     if resumed_from is not None:
         lines += [record(s, -1.0) for s in range(resumed_from, len(losses))] + [{"step": len(losses), "val_bpb": 1.4}]
+    for r in extra or []:
+        lines = [line | r if line["step"] == r["step"] else line for line in lines]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 
 
-def write_eval(path, checkpoint, bpb):
-    results = {str(K): {"val_bpb": v, "wiki_ppl": 2**v, "CORE": 0.1 * K,
-                        "tasks": {"piqa": {"accuracy": 0.5 + 0.01 * K, "centered": 0.0}}} for K, v in bpb.items()}
-    path.write_text(json.dumps({"checkpoint": checkpoint, "step": 10, "settings": {}, "results": results, "table": ""}))
+def write_run(root, name, losses, variant="FLT", loops=3, depth=12, **kwargs):
+    """A run directory with train.py's settings.json and log.jsonl."""
+    run = root / name
+    write_log(run / "log.jsonl", losses, **kwargs)
+    (run / "settings.json").write_text(json.dumps(dict(variant=variant, loops=loops, depth=depth, attn="full",
+                                                       n_kv_head=None, window_pattern="L", out_dir=str(run))))
+    return run
+
+
+def write_eval(path, ks, acc=lambda K: 0.5, bpb=lambda K: 1.0):
+    """eval.py's JSON at path with results at every K in ks; the six tasks have accuracies acc(K) + 0.01 * i."""
+    results = {str(K): {"val_bpb": bpb(K), "wiki_ppl": 2 ** bpb(K), "CORE": 0.1 * K,
+                        "tasks": {label: {"accuracy": acc(K) + 0.01 * i, "centered": 0.0}
+                                  for i, label in enumerate(plot.TASKS.values())}} for K in ks}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"checkpoint": str(path.parent), "step": 10, "settings": {}, "results": results,
+                                "table": ""}))
     return path
+
+
+def lines_of(ax):
+    """{legend label: (xs, ys)} of the lines drawn in ax (the stop markers have no label)."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 10_000
 
 
 def test_ema_is_debiased():
@@ -50,26 +79,146 @@ def test_read_log_keeps_last_occurrence(tmp_path):
     assert plot.read_log(str(log)) == records
 
 
-def test_read_eval(tmp_path):
-    path = write_eval(tmp_path / "e.json", "out/flt_base/step_000010", {12: 0.9, 1: 1.2, 3: 1.0})
-    assert plot.read_eval(str(path), "val_bpb") == ("flt_base", {1: 1.2, 3: 1.0, 12: 0.9})  # sorted by K
-    assert plot.read_eval(str(path), "piqa") == ("flt_base", {1: 0.51, 3: 0.53, 12: 0.62})  # a task's accuracy
-    with pytest.raises(ValueError, match="'hellaswag'.*CORE.*piqa"):
-        plot.read_eval(str(path), "hellaswag")
+def test_read_eval_finds_the_newest_step(tmp_path):
+    write_eval(tmp_path / "run" / "step_000005" / "eval.json", [1, 3], acc=lambda K: 0.1)
+    newest = write_eval(tmp_path / "run" / "step_000010" / "eval.json", [12, 1, 3], acc=lambda K: 0.4)
+    (tmp_path / "run" / "step_000020").mkdir()  # a checkpoint not evaluated yet
+    for path in (tmp_path / "run", newest.parent, newest):  # a run, a step directory, the file
+        results = plot.read_eval(str(path))
+        assert list(results) == [1, 3, 12]  # by K
+        assert plot.metric(results[3], "piqa") == pytest.approx(0.41)  # a task's raw accuracy
+        assert plot.metric(results[3], "avg") == pytest.approx(0.4 + 0.01 * (0 + 1 + 2 + 3 + 4 + 5) / 6)
+    with pytest.raises(FileNotFoundError, match="step_000020.*eval.py"):
+        plot.read_eval(str(tmp_path / "run" / "step_000020"))
 
 
-def test_diag_and_budget_figures(tmp_path):
+def test_labels_come_from_settings_json(tmp_path):
+    run = write_run(tmp_path, "some_dir", [1.0], variant="LT_i", loops=9)
+    assert plot.default_label(str(run / "log.jsonl")) == "LT_i K=9"
+    settings = dict(variant="FLT", loops=12, n_kv_head=2, attn="mla", window_pattern="SSSL")
+    assert plot.model_name(settings) == "FLT GQA(2) MLA SWA(SSSL)"
+    write_log(tmp_path / "bare" / "log.jsonl", [1.0])
+    assert plot.default_label(str(tmp_path / "bare" / "step_000010")) == "bare"  # no settings.json
+
+
+def test_diag(tmp_path):
     pytest.importorskip("matplotlib")
-    lt = write_log(tmp_path / "out" / "diag_lt_k12" / "log.jsonl", [9.0, 8.5, 8.4, 8.4])
-    flt = write_log(tmp_path / "out" / "diag_flt_k12" / "log.jsonl", [9.0, 7.0, 6.0, 5.0], resumed_from=3)
-    plot.main(["diag", str(lt), str(flt.parent), "--max_over_loops", "-o", str(tmp_path / "diag.png")])
-    evals = [write_eval(tmp_path / f"{n}.json", f"out/{n}/step_000010", {1: 1.3, 3: 1.1, 6: b})
-             for n, b in (("lt_k3", 1.2), ("flt_k9", 1.0))]
-    plot.main(["budget", *map(str, evals), "--metric", "wiki_ppl", "--labels", "LT", "FLT",
-               "-o", str(tmp_path / "budget.png")])
-    for png in ("diag.png", "budget.png"):
-        data = (tmp_path / png).read_bytes()
-        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+    lt = write_run(tmp_path, "lt", [9.0, 8.5, 8.4, 8.4], variant="LT", loops=12)
+    flt = write_run(tmp_path, "flt", [9.0, 7.0, 6.0, 5.0], loops=12, resumed_from=3)
+    fig = plot.main(["diag", str(lt / "log.jsonl"), str(flt), "--labels", "LT", "FLT", "-o", str(tmp_path / "d.png")])
+    resid, loss, grad = (lines_of(ax) for ax in fig.axes)
+    assert resid["LT"] == ([0, 1, 2, 3], [10.0, 11.0, 12.0, 13.0])  # resid_norms[0]: the first loop
+    assert loss["FLT"][1] == pytest.approx(plot.ema([9.0, 7.0, 6.0, -1.0]))  # resumed step 3 wins
+    s = [0.1 * 9.0, 0.9 * 0.1 * 9.0 + 0.1 * 8.5]  # the EMA by hand, then debiased
+    assert loss["LT"][1][:2] == pytest.approx([s[0] / 0.1, s[1] / (1 - 0.9**2)])
+    assert grad["LT"] == ([0, 1, 2, 3], pytest.approx([0.1, 0.2, 0.3, 0.4]))
+    assert fig.axes[2].get_yscale() == "log"
+    assert_png(tmp_path / "d.png")
+
+
+def test_loss_marks_a_run_that_stopped_early(tmp_path):
+    pytest.importorskip("matplotlib")
+    ok = write_run(tmp_path, "flt", [5.0, 4.0, 3.0, 2.0], loops=12)
+    stopped = write_run(tmp_path, "lt", [5.0, 6.0], variant="LT", loops=12,
+                        extra=[{"step": 2, "loss": math.nan, "diverged": True}])
+    fig = plot.main(["loss", str(ok), str(stopped), "-o", str(tmp_path / "loss.png")])
+    ax = fig.axes[0]
+    assert lines_of(ax) == {"FLT K=12": ([0, 1, 2, 3], pytest.approx(plot.ema([5.0, 4.0, 3.0, 2.0]))),
+                            "LT K=12 (stopped at 1)": ([0, 1], pytest.approx(plot.ema([5.0, 6.0])))}
+    markers = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert [list(m.get_xydata()[0]) for m in markers] == [[1, pytest.approx(plot.ema([5.0, 6.0])[-1])]]
+    assert_png(tmp_path / "loss.png")
+
+
+def test_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = []
+    for trained in (9, 3):  # given out of order: lines come in training-K order
+        run = write_run(tmp_path, f"flt_k{trained}", [1.0], loops=trained)
+        write_eval(run / "step_000010" / "eval.json", [1, 3, 6, 9, 12], acc=lambda K, t=trained: 0.3 + 0.001 * K * t,
+                   bpb=lambda K, t=trained: 1.0 / (K + t))
+        runs.append(str(run))
+    fig = plot.main(["sweep", *runs, "-o", str(tmp_path / "sweep.png")])
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.get_lines()] == ["FLT K=3", "FLT K=9"]
+    xs, ys = lines_of(ax)["FLT K=9"]
+    assert xs == [1, 3, 6, 9, 12]
+    assert ys == pytest.approx([0.3 + 0.009 * K + 0.025 for K in xs])  # + the mean of 0.00..0.05
+    assert list(ax.get_xticks()) == [1, 3, 6, 9, 12]
+    fig = plot.main(["sweep", *runs, "--metric", "val_bpb", "--labels", "a", "b", "-o", str(tmp_path / "bpb.png")])
+    assert lines_of(fig.axes[0])["b"] == ([1, 3, 6, 9, 12], pytest.approx([1 / (K + 3) for K in (1, 3, 6, 9, 12)]))
+    assert_png(tmp_path / "sweep.png")
+    with pytest.raises(ValueError, match="'hellaswag_zeroshot'.*CORE.*piqa"):
+        plot.main(["sweep", *runs, "--metric", "hellaswag_zeroshot"])
+
+
+def test_resid_skips_loops_a_run_does_not_have(tmp_path):
+    pytest.importorskip("matplotlib")
+    k3 = write_run(tmp_path, "k3", [1.0, 1.0], loops=3)  # resid_norms has 3 loops
+    log = tmp_path / "k4" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0, "resid_norms": [1.0, 2.0, 3.0, 4.0 + s]}) + "\n"
+                           for s in range(2)))
+    fig = plot.main(["resid", str(k3), str(log), "--loops", "3", "4", "-o", str(tmp_path / "resid.png")])
+    assert [ax.get_title() for ax in fig.axes] == ["residual-state norm, loop 3", "residual-state norm, loop 4"]
+    assert lines_of(fig.axes[0]) == {"FLT K=3": ([0, 1], [2.0, 3.0]), "k4": ([0, 1], [3.0, 3.0])}
+    assert lines_of(fig.axes[1]) == {"k4": ([0, 1], [4.0, 5.0])}
+    assert_png(tmp_path / "resid.png")
+    with pytest.raises(ValueError, match="loop 9: none of the runs"):
+        plot.main(["resid", str(k3), "--loops", "9", "-o", str(tmp_path / "r.png")])
+
+
+def test_grads(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path, "flt", [1.0, 1.0, 1.0], loops=6)
+    fig = plot.main(["grads", str(run), "-o", str(tmp_path / "grads.png")])
+    drawn = [lines_of(ax)["FLT K=6"] for ax in fig.axes]
+    assert drawn == [([0, 1, 2], pytest.approx([0.2 + s for s in range(3)])),  # LM head
+                     ([0, 1, 2], pytest.approx([0.3 + s for s in range(3)])),  # 5th-layer FFN
+                     ([0, 1, 2], pytest.approx([0.4 + s for s in range(3)]))]  # 5th-layer attention
+    assert_png(tmp_path / "grads.png")
+
+
+def test_core(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path, "flt", [1.0] * 5, loops=6, extra=[{"step": 2, "core": 0.11}, {"step": 5, "core": 0.15}])
+    fig = plot.main(["core", str(run), "-o", str(tmp_path / "core.png")])
+    assert lines_of(fig.axes[0]) == {"FLT K=6": ([2, 5], [0.11, 0.15])}  # step 5: the final record
+    assert_png(tmp_path / "core.png")
+
+
+def table_rows(md):
+    """{(model, K): cells} of a Markdown table from plot.table."""
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()]
+    assert lines[0][:4] == ["model", "depth", "K", "Wiki2 ppl"] and lines[0][-1] == "Avg"
+    return {(row[0], row[2]): row[3:] for row in lines[2:]}
+
+
+def test_table(tmp_path, capsys):
+    flt = write_run(tmp_path, "flt", [1.0], loops=9)
+    write_eval(flt / "step_000010" / "eval.json", [1, 9], acc=lambda K: 0.4, bpb=lambda K: 0.875)
+    lt = write_run(tmp_path, "lt", [1.0], variant="LT", loops=9, extra=[{"step": 1, "diverged": True}])
+    bare = write_eval(tmp_path / "bare" / "step_000010" / "eval.json", [3], acc=lambda K: 0.5, bpb=lambda K: math.inf)
+    out = tmp_path / "t.md"
+    md = plot.main(["table", str(flt), str(lt), str(bare.parent), "-o", str(out)])
+    assert out.read_text() == md and capsys.readouterr().out == md
+    rows = table_rows(md)
+    avg = 100 * (0.4 + 0.025)
+    assert rows[("FLT", "9")] == [f"{2 ** 0.875:.2f}", "0.875", "90.00", "40.00", "41.00", "42.00", "43.00", "44.00",
+                                  "45.00", f"{avg:.2f}"]  # at the trained K only
+    assert rows[("LT", "9")] == ["-"] * 10  # diverged: no eval.json needed
+    assert rows[("bare", "3")] == ["-"] * 10  # an infinite value: collapsed
+    assert len(rows) == 3
+    rows = table_rows(plot.main(["table", str(flt), "--paper", "--labels", "ours"]))
+    assert list(rows) == [("ours", "9"), ("paper", "9")]  # the paper's FLT at K=9, depth 12
+    assert rows[("paper", "9")] == ["38.44", "0.892", "16.16", "-", "-", "-", "-", "-", "-", "41.72"]
+
+
+def test_table_paper_row_for_a_collapsed_paper_run(tmp_path):
+    lt = write_run(tmp_path, "lt", [1.0], variant="LT", loops=9)
+    write_eval(lt / "step_000010" / "eval.json", [9])
+    md = plot.main(["table", str(lt), "--paper"])
+    assert md.splitlines()[-1] == "| paper | 12 | 9 |" + " - |" * 10  # the paper's LT at K=9 collapsed
 
 
 def test_labels_must_match_inputs(tmp_path):
