@@ -130,9 +130,9 @@ def _save(obj, path):
 
 
 def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=lambda: None, keep=2,
-         files=None):
+         keep_every=0, files=None):
     """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
-    prune to the newest `keep` (0 = keep all). files: {name: writer(path)} for rank 0 (tokenizer).
+    prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer).
     Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one."""
     state = model.state_dict()
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
@@ -155,19 +155,21 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=lambda: 
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        prune(out_dir, keep)
+        prune(out_dir, keep, keep_every)
     barrier()
     return final
 
 
-def prune(out_dir, keep):
-    """Delete all but the newest `keep` checkpoints (0 = keep all); the newest always stays."""
+def prune(out_dir, keep, keep_every=0):
+    """Delete all but the newest `keep` checkpoints (0 = keep all); the newest always stays, and so
+    do steps that are multiples of keep_every (> 0), e.g. the points of a curve over training."""
     if keep < 0:
         raise ValueError(f"keep_checkpoints={keep}: expected >= 1, or 0 to keep every checkpoint")
     if keep == 0:
         return
-    for _, path in list_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(path)
+    for step, path in list_checkpoints(out_dir)[:-keep]:
+        if not (keep_every and step % keep_every == 0):
+            shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------------------------

@@ -21,13 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import data
 from configurator import configure
-from eval import evaluate_bpb
+import eval as evaluation
 from model import GPT, GPTConfig, peak_flops
 from optim import build_optimizers
 
 # ----------------------------------------------------------------------------- settings
 # I/O
-out_dir = "out"
+out_dir = ""                # empty = out_root/<size>_<variant>_k<loops>[_<attention>], e.g. out/base_flt_k9
+out_root = "out"
 resume = False              # continue from the newest readable checkpoint in out_dir
 overwrite = False           # a fresh run may delete the run already in out_dir (else it refuses)
 eval_interval = 100         # validation bits-per-byte every N steps (and at the last step)
@@ -35,6 +36,10 @@ eval_tokens = 2**15         # validation tokens per evaluation during training
 final_eval_tokens = 2**16   # validation tokens at the last step (the paper: 40 * 2**19)
 save_interval = 100         # checkpoint every N steps (and at the last step)
 keep_checkpoints = 2        # the newest N step_* directories are kept; 0 = keep every one
+keep_every = 0              # checkpoints at multiples of this step are never deleted (0 = none)
+core_interval = 0           # CORE on a subset every N steps, logged as `core` (Fig. 9; the authors: 2000)
+core_max_per_task = 500     # items per CORE task during training (the authors: 500)
+bundle_dir = ""             # the DCLM eval bundle for core_interval; empty = data_dir/eval_bundle
 sample_tokens = 64          # tokens sampled at the end of training (0 = no sample)
 # data
 dataset = "embedded"        # embedded (built from Python's own docs, no network) | fineweb
@@ -42,7 +47,7 @@ data_dir = "data"
 num_shards = -1             # fineweb training shards to download; -1 = enough for the horizon
 tokenizer = "bpe"           # bpe = train a byte-level BPE on the corpus; or a tokenizer.json / hub name
 bpe_vocab_size = 4096
-bos_token = data.BOS        # the document token before every document (the paper's Qwen3 runs: <|im_start|>)
+bos_token = "<|endoftext|>"  # the document token before every document (the paper's Qwen3 runs: <|im_start|>)
 # model (SPEC 2-3): d_model = 64 * depth, n_head = ceil(d_model / 128), depth blocks
 depth = 3
 n_kv_head = -1              # -1 = n_head (MHA); fewer = GQA (must divide n_head)
@@ -67,15 +72,17 @@ momentum_warmup_steps = 300  # Muon momentum 0.85 -> 0.95
 grad_clip = 1.0
 divergence_window = 0       # stop once the smoothed loss has been > divergence_nats above its
 divergence_nats = 1.0       # running minimum for this many steps in a row (0 = never stop for that)
-watch_layer = 4             # gradient norms of this layer's MLP and attention are logged (the paper's 5th)
+watch_layer = -1            # layer whose MLP/attention gradient norms are logged; -1 = the paper's
+                            # "5th layer" (index 4), or the last layer of a shallower model
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
 compile = "auto"            # torch.compile: auto (CUDA only; on CPU it costs more than it saves) | on | off
 dist_timeout = 1800         # seconds a rank waits in a collective before the job ends with an error
 seed = 1337
+_defaults = dict(globals())
 settings = configure(globals(), sys.argv[1:])
 # Settings a resumed run may change; everything else must match the checkpoint.
-RESUMABLE = {"resume", "overwrite", "num_steps", "eval_interval", "eval_tokens", "final_eval_tokens",
+RESUMABLE = {"resume", "overwrite", "keep_every", "out_root", "num_steps", "eval_interval", "eval_tokens", "final_eval_tokens",
              "save_interval", "keep_checkpoints", "sample_tokens", "device", "compile", "data_dir",
              "out_dir", "divergence_window", "divergence_nats", "dist_timeout"}
 
@@ -83,29 +90,50 @@ RESUMABLE = {"resume", "overwrite", "num_steps", "eval_interval", "eval_tokens",
 def check_settings():
     """Errors that name the setting, before any data, model or process group exists."""
     def bad(key, allowed):
-        raise ValueError(f"{key}={globals()[key]!r}: expected {allowed}")
+        raise ValueError(f"{key}={settings[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
-                "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout"):
-        if globals()[key] < 1:
+                "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
+                "core_max_per_task"):
+        if settings[key] < 1:
             bad(key, "a positive integer")
-    if keep_checkpoints < 0:
-        bad("keep_checkpoints", ">= 1, or 0 to keep every checkpoint")
-    if n_kv_head == 0 or n_kv_head < -1:
-        bad("n_kv_head", "-1 (= n_head) or a positive divisor of n_head")
-    if num_steps == 0 or num_steps < -1 or num_shards == 0 or num_shards < -1:
-        bad("num_steps" if num_steps < 1 and num_steps != -1 else "num_shards", "-1 or a positive integer")
+    for key in ("keep_checkpoints", "keep_every", "core_interval", "divergence_window"):
+        if settings[key] < 0:
+            bad(key, "an integer >= 0 (0 = off / keep all)")
+    for key in ("n_kv_head", "num_steps", "num_shards", "watch_layer"):
+        if settings[key] == 0 or settings[key] < -1:
+            bad(key, "-1 (automatic) or a positive integer" if key != "watch_layer" else "-1 or a layer index")
+    if watch_layer >= depth:
+        bad("watch_layer", f"a layer index below depth={depth}, or -1")
     for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
                          ("horizon_params", ("all", "non_embedding"))):
-        if globals()[key] not in allowed:
+        if settings[key] not in allowed:
             bad(key, " or ".join(map(repr, allowed)))
-    if divergence_window < 0 or divergence_nats <= 0:
-        bad("divergence_window" if divergence_window < 0 else "divergence_nats", "a value >= 0 (window), > 0 (nats)")
+    if divergence_nats <= 0:
+        bad("divergence_nats", "a positive number of nats")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device; "
                          f"use --device=cpu")
+    # A setting that would do nothing is a mistake in the command, not something to ignore.
+    for key, inert, why in (("kv_rank", attn != "mla", "unless attn='mla'"),
+                            ("horizon_params", num_steps != -1, "unless num_steps=-1"),
+                            ("num_shards", dataset != "fineweb", "unless dataset='fineweb'"),
+                            ("bpe_vocab_size", tokenizer != "bpe", "unless tokenizer='bpe'"),
+                            ("divergence_nats", divergence_window == 0, "unless divergence_window > 0"),
+                            ("loss_all_loops", loops == 1, "with loops=1"),
+                            ("core_max_per_task", core_interval == 0, "unless core_interval > 0"),
+                            ("bundle_dir", core_interval == 0, "unless core_interval > 0"),
+                            ("out_root", out_dir != "", "when out_dir is given")):
+        if inert and settings[key] != _defaults[key]:
+            raise ValueError(f"{key}={settings[key]!r} does nothing {why}: remove it, or set what it needs")
 
 
 check_settings()
+if not out_dir:  # one directory per run, named by what makes it different: a grid never collides
+    size = {6: "small", 12: "base"}.get(depth, f"d{depth}")
+    attention = (f"_gqa{n_kv_head}" if n_kv_head != -1 else "") + ("_mla" if attn == "mla" else "") + \
+        (f"_swa_{window_pattern}" if window_pattern != "L" else "")
+    out_dir = os.path.join(out_root, f"{size}_{variant.lower()}_k{loops}{attention}")
+    settings["out_dir"] = out_dir
 
 # ----------------------------------------------------------------------------- setup
 ddp = "RANK" in os.environ
@@ -168,6 +196,9 @@ if dataset == "fineweb":
 if tok is None:
     tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
+bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
+if core_interval and master:
+    evaluation.fetch_bundle(bundle_dir, evaluation.bundle_url)
 
 if ddp:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=dist_timeout),
@@ -181,6 +212,7 @@ if total_batch_size % tokens_per_fwd:
                      f"sequence_len * world_size = {tokens_per_fwd}")
 grad_accum = total_batch_size // tokens_per_fwd
 token_bytes = tok.token_bytes().to(device)
+core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fetched before the group started
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
 ckpt_path, monitor = None, {"ema": None, "best": math.inf, "above": 0}
@@ -251,7 +283,7 @@ def muon_momentum(it):
 
 
 # Pre-clip gradient norms of the modules the paper's Figures 3 and 8 follow (SPEC 5).
-mid = min(watch_layer, config.n_layer - 1)
+mid = watch_layer if watch_layer >= 0 else min(4, config.n_layer - 1)
 watched = {"mlp_first": raw_model.transformer.h[0].mlp, "lm_head": raw_model.lm_head,
            "mlp_mid": raw_model.transformer.h[mid].mlp, "attn_mid": raw_model.transformer.h[mid].attn}
 
@@ -264,10 +296,19 @@ def validate(n_tokens):
     """Validation bits-per-byte at the trained loop count, on the same held-out tokens each time."""
     val = data.DataLoader(val_files, tok, device_batch_size, sequence_len, rank, world_size, device)
     model.eval()  # evaluate_bpb applies bf16 autocast on CUDA itself
-    bpb = evaluate_bpb(raw_model, (next(val) for _ in range(max(1, n_tokens // tokens_per_fwd))),
+    bpb = evaluation.evaluate_bpb(raw_model, (next(val) for _ in range(max(1, n_tokens // tokens_per_fwd))),
                        token_bytes, [config.loops])
     model.train()
     return bpb[config.loops]
+
+
+def core():
+    """CORE at the trained loop count on the first core_max_per_task items of every task (Fig. 9)."""
+    model.eval()
+    result = evaluation.evaluate_core(raw_model, tok, core_tasks, [config.loops], device_batch_size,
+                                      core_max_per_task, log=lambda *args: None)
+    model.train()
+    return result[config.loops]["CORE"]
 
 
 def save(it):
@@ -276,6 +317,7 @@ def save(it):
                       world_size=world_size, monitor=monitor)
     return checkpoint.save(out_dir, it, raw_model, rank_state, settings=settings, rank=rank,
                            barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
+                           keep_every=keep_every,
                            files={"tokenizer.json": tok.save})
 
 
@@ -301,6 +343,9 @@ while True:
     if step % eval_interval == 0 or last_step:
         record["val_bpb"] = validate(eval_tokens)
         print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f}")
+    if core_interval and (step % core_interval == 0 or last_step):
+        record["core"] = core()
+        print0(f"step {step:5d} | CORE {record['core']:.4f}")
     if last_step:  # the paper's final number, on more tokens than the in-training checks
         record["final_val_bpb"] = validate(final_eval_tokens)
         print0(f"final val bpb ({final_eval_tokens:,} tokens): {record['final_val_bpb']:.4f}")

@@ -1,8 +1,10 @@
-# The diagnostic runs (Sec. 3, Fig. 3): small size (depth 6), the first 2000 steps. The small
-# model's full horizon is 2626 steps, flat LR until step 2100, so no warm-down here: these
-# 2000 steps are exactly the start of a full run. Each diag_*.py adds loops and variant.
-from config.paper import *
+# The diagnostic runs (Sec. 3, Figs. 2-4, 7, 8) as the authors' diagnostic script ran them:
+# small size, 2000 steps, no warm-up, linear warm-down over the last 20%, every step logged.
+#   torchrun --nproc_per_node=8 train.py config/diag.py --variant=LT --loops=12   # -> out/diag/small_lt_k12
+from config.small import *
 
-depth = 6
 num_steps = 2000
-warmdown_frac = 0.0
+warmdown_frac = 0.2
+out_root = "out/diag"
+divergence_window = 0          # the figures show the collapse, so nothing stops early
+save_interval = 500

@@ -1,9 +1,7 @@
-# The headline: base-size (depth 12, 318M) Fully Looped Transformer at K = 9 (paper Table 1).
-#   torchrun --nproc_per_node=8 train.py config/flt_base.py
-#   python eval.py out/flt_base
-from config.paper import *
+# The headline run: the base-size Fully Looped Transformer at K = 9 (paper Table 1).
+#   torchrun --nproc_per_node=8 train.py config/flt_base.py      # -> out/base_flt_k9
+#   python eval.py out/base_flt_k9
+from config.base import *
 
-depth = 12
-loops = 9
 variant = "FLT"
-out_dir = "out/flt_base"
+loops = 9

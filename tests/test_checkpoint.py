@@ -32,6 +32,9 @@ def test_prune_keeps_the_newest(tmp_path):
     for step in (1, 2, 3):
         save(tmp_path, step, keep=1)
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [3]
+    for step in (4, 5, 6, 7):
+        save(tmp_path, step, keep=1, keep_every=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [4, 6, 7]
     with pytest.raises(ValueError, match="keep_checkpoints=-1"):
         checkpoint.prune(str(tmp_path), -1)
 

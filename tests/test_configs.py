@@ -43,43 +43,33 @@ def test_train_defaults_found():
     assert {"depth", "loops", "variant", "out_dir", "num_steps", "device_batch_size"} <= set(defaults)
 
 
+def test_config_dir_is_small():
+    assert CONFIGS == ["base.py", "cpu_diag.py", "diag.py", "flt_base.py", "paper.py", "small.py"]
+
+
 @pytest.mark.parametrize("name", CONFIGS)
-def test_config_applies(name, monkeypatch):
-    s = apply(name, monkeypatch)
+@pytest.mark.parametrize("variant, loops, attention", [
+    ("LT", 3, {}), ("FLT", 12, {"n_kv_head": 1}), ("LT_ai", 9, {"attn": "mla"}),
+    ("FLT_res", 6, {"window_pattern": "SSSL"})])
+def test_config_applies_with_any_variant_and_attention(name, variant, loops, attention, monkeypatch):
+    s = apply(name, monkeypatch) | dict(variant=variant, loops=loops) | attention
     n_head = math.ceil(64 * s["depth"] / 128)
     GPTConfig(sequence_len=s["sequence_len"], vocab_size=151680, n_layer=s["depth"], n_head=n_head,
-              n_kv_head=n_head if s["n_kv_head"] == -1 else s["n_kv_head"], n_embd=64 * s["depth"], loops=s["loops"],
-              variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
+              n_kv_head=n_head if s["n_kv_head"] == -1 else s["n_kv_head"], n_embd=64 * s["depth"],
+              loops=s["loops"], variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
               window_pattern=s["window_pattern"])  # validates the model settings
     for world_size in (1, 8) if s["dataset"] == "fineweb" else (1,):
         assert s["total_batch_size"] % (s["device_batch_size"] * s["sequence_len"] * world_size) == 0
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in ("paper.py", "diag.py", "cpu.py")])
-def test_experiment_sets_what_its_name_says(name, monkeypatch):
-    s, stem = apply(name, monkeypatch), name[:-3]
-    assert s["out_dir"] == f"out/{stem}"  # one directory per run: runs never collide
-    m = re.fullmatch(r"table1_(small|base)_(\w+)_k(\d+)", stem) or re.fullmatch(r"diag_(\w+)_k(\d+)", stem)
-    if stem.startswith("table1_"):
-        assert (s["depth"], s["variant"], s["loops"]) == ({"small": 6, "base": 12}[m[1]], VARIANTS[m[2]], int(m[3]))
-        assert s["num_steps"] == -1
-    elif stem.startswith("diag_"):
-        assert (s["depth"], s["variant"], s["loops"], s["num_steps"]) == (6, VARIANTS[m[1]], int(m[2]), 2000)
-    elif stem.startswith("cpu_diag_"):
-        assert (s["dataset"], s["device"], s["variant"]) == ("embedded", "cpu", VARIANTS[stem[len("cpu_diag_"):]])
-    else:  # flt_base, attn_*
-        assert (s["dataset"], s["depth"], s["variant"]) == ("fineweb", 12, "FLT")
-
-
-def test_paper_grid_is_complete():
-    expected = {f"table1_{size}_{v}_k{k}.py" for size in ("small", "base") for v in ("lt", "lt_i", "lt_ai", "flt")
-                for k in (3, 6, 9)}
-    expected |= {f"diag_{v}_k{k}.py" for v in ("lt", "lt_i", "lt_ai", "flt_res", "flt") for k in (6, 9, 12)}
-    assert expected <= set(CONFIGS)
-
-
-def test_attention_variants(monkeypatch):
-    full, gqa, mla, swa = (apply(f"attn_{a}.py", monkeypatch) for a in ("full", "gqa", "mla", "swa"))
-    assert (gqa["n_kv_head"], mla["attn"], swa["window_pattern"]) == (3, "mla", "SSSL")
-    for s, key in ((gqa, "n_kv_head"), (mla, "attn"), (swa, "window_pattern")):
-        assert {k for k in s if s[k] != full[k]} == {key, "out_dir"}  # only its one setting differs
+def test_recipes_say_what_their_names_say(monkeypatch):
+    paper, small, base, flt, diag, cpu = (apply(f"{n}.py", monkeypatch)
+                                          for n in ("paper", "small", "base", "flt_base", "diag", "cpu_diag"))
+    assert (paper["dataset"], paper["total_batch_size"], paper["sequence_len"], paper["num_steps"]) == \
+        ("fineweb", 2**19, 1024, -1)
+    assert (paper["bos_token"], paper["final_eval_tokens"]) == ("<|im_start|>", 40 * 2**19)
+    assert (small["depth"], base["depth"]) == (6, 12)
+    assert (flt["depth"], flt["variant"], flt["loops"], flt["out_dir"]) == (12, "FLT", 9, "")
+    # the authors' diagnostic script: 2000 steps, no warm-up, linear warm-down over the last 20%
+    assert (diag["depth"], diag["num_steps"], diag["warmdown_frac"], diag["out_root"]) == (6, 2000, 0.2, "out/diag")
+    assert (cpu["dataset"], cpu["device"], cpu["loops"], cpu["out_root"]) == ("embedded", "cpu", 12, "out/cpu_diag")

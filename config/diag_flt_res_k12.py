@@ -1,6 +1,0 @@
-# Diagnostics (Sec. 3, Fig. 3): FLT_res at K = 12, small size, the first 2000 steps.
-from config.diag import *
-
-loops = 12
-variant = "FLT_res"
-out_dir = "out/diag_flt_res_k12"

@@ -1,7 +1,0 @@
-# Table 1: LT_ai at K = 6, base size (depth 12, 318M).
-from config.paper import *
-
-depth = 12
-loops = 6
-variant = "LT_ai"
-out_dir = "out/table1_base_lt_ai_k6"

@@ -1,7 +1,0 @@
-# Table 1: LT at K = 3, base size (depth 12, 318M).
-from config.paper import *
-
-depth = 12
-loops = 3
-variant = "LT"
-out_dir = "out/table1_base_lt_k3"

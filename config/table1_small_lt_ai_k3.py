@@ -1,7 +1,0 @@
-# Table 1: LT_ai at K = 3, small size (depth 6, 127M).
-from config.paper import *
-
-depth = 6
-loops = 3
-variant = "LT_ai"
-out_dir = "out/table1_small_lt_ai_k3"

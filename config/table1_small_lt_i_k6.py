@@ -1,7 +1,0 @@
-# Table 1: LT_i at K = 6, small size (depth 6, 127M).
-from config.paper import *
-
-depth = 6
-loops = 6
-variant = "LT_i"
-out_dir = "out/table1_small_lt_i_k6"
