@@ -334,6 +334,12 @@ def test_two_runs_on_one_out_dir_are_refused(tmp_path, data_dir):
     (["--depth=4", "--n_kv_head=3"], "n_kv_head=3"),  # n_head = ceil(256 / 128) = 2: 3 does not divide it
     (["--num_steps=0"], "num_steps=0"),
     (["--horizon_params=some"], "horizon_params='some'"),
+    (["--kv_rank=64"], "kv_rank=64 does nothing unless attn='mla'"),  # settings that would do nothing
+    (["--num_shards=3"], "num_shards=3 does nothing unless dataset='fineweb'"),
+    (["--horizon_params=non_embedding", "--num_steps=5"], "horizon_params='non_embedding' does nothing"),
+    (["--divergence_nats=2.0"], "divergence_nats=2.0 does nothing unless divergence_window > 0"),
+    (["--loops=1", "--loss_all_loops"], "loss_all_loops=True does nothing with loops=1"),
+    (["--watch_layer=1"], "watch_layer=1: expected a layer index below depth=1"),
 ])
 def test_bad_settings_fail_fast_naming_the_setting(tmp_path, data_dir, args, match):
     p = train(tmp_path / "o", data_dir, *args, check=False)
@@ -364,3 +370,13 @@ def test_hung_rank_ends_the_job_after_dist_timeout(tmp_path, data_dir):
               script=str(script), nproc=2, check=False)
     assert p.returncode != 0
     assert "timed out" in (p.stdout + p.stderr).lower() or "timeout" in (p.stdout + p.stderr).lower()
+
+
+def test_out_dir_is_derived_from_the_run(tmp_path, data_dir):
+    root = tmp_path / "runs"
+    cmd = [sys.executable, "train.py", *TINY, f"--data_dir={data_dir}", f"--out_root={root}", "--num_steps=1",
+           "--sample_tokens=0", "--variant=LT_i", "--loops=2", "--n_kv_head=1", "--window_pattern=SL"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert os.listdir(root) == ["d1_lt_i_k2_gqa1_swa_SL"]
+    p = subprocess.run(cmd + ["--out_dir=x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "out_root=" in p.stderr and "does nothing when out_dir is given" in p.stderr
