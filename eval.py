@@ -3,7 +3,6 @@ Evaluate one looped checkpoint at several loop budgets K: a row of the paper's T
 
     python eval.py out/flt_base --modes=bpb,wiki,core,sample --loops=1,3,6,9,12
     torchrun --nproc_per_node=8 eval.py out/flt_base/step_004000 --max_per_task=500
-    python -c "import eval; eval.bench()"    # CPU timings: batched CORE, one-pass budget sweep
 
 The argument is a run's out_dir (its newest step_* is used) or a step directory, read with the
 tokenizer.json saved beside the weights. Results go to <step dir>/eval.json (setting `out`), a
@@ -60,7 +59,7 @@ import yaml
 
 import data
 from configurator import configure, settings_of
-from model import GPT, config_for_depth, load_model
+from model import load_model
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample
@@ -460,37 +459,6 @@ def main(argv):
         dist.barrier()  # rank 0 was writing; no rank tears the group down under another
         dist.destroy_process_group()
     return results
-
-
-def bench(depth=4, seq_len=256, n_seqs=32, repeats=3):
-    """CPU timings on a random depth-4 model: CORE-style scoring batched (8 per forward) vs one
-    sequence per forward, and the budget sweep in one pass vs a pass per K. The two sides of a
-    ratio alternate and the median is kept, so machine noise hits both alike."""
-    torch.manual_seed(0)
-    model = GPT(config_for_depth(depth, sequence_len=seq_len, vocab_size=4096, loops=12))
-    model.init_weights()
-    lengths = torch.randint(seq_len // 4, seq_len // 2, (n_seqs,)).tolist()
-    seqs = [(torch.randint(0, 4096, (n,)).tolist(), n - 5) for n in lengths]  # MC-like: 5 scored tokens
-    x = torch.randint(0, 4096, (4, seq_len))
-    budgets = [1, 3, 6, 9, 12]
-
-    def medians(fn_a, fn_b):
-        times = ([], [])
-        for _ in range(repeats):
-            for fn, ts in zip((fn_a, fn_b), times):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return [statistics.median(ts) for ts in times]
-
-    single, batched = medians(lambda: score_sequences(model, seqs, [3], 1),
-                              lambda: score_sequences(model, seqs, [3], 8))
-    print(f"CORE scoring, K=3: {n_seqs / batched:.1f} seq/s batched (8/forward) vs {n_seqs / single:.1f} "
-          f"seq/s one per forward: {single / batched:.2f}x")
-    one, separate = medians(lambda: loop_losses(model, x, x, budgets),
-                            lambda: [loop_losses(model, x, x, [K]) for K in budgets])
-    print(f"budget sweep K in {budgets}, B={len(x)}, T={seq_len}: one pass {one:.2f}s vs a pass per K "
-          f"{separate:.2f}s: {separate / one:.2f}x")
 
 
 if __name__ == "__main__":
