@@ -43,6 +43,9 @@ Protocols
   PIQA = piqa, Hella = hellaswag (10-shot, not hellaswag_zeroshot), OPQA = openbook_qa (0-shot),
   ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean. A label missing from the
   bundle leaves its column, and Avg, empty.
+
+eval.json is rewritten (atomically) after every mode, so a mode that fails (e.g. no network for a
+download) keeps the ones before it; the run then exits non-zero.
 """
 import csv
 import json
@@ -396,6 +399,16 @@ def table(results):
 
 
 # ----------------------------------------------------------------------------- main
+def write_results(json_path, record, md):
+    """eval.json (record + the table) and eval.md beside it, each replaced atomically."""
+    for path, text in ((json_path, json.dumps(record | {"table": md}, indent=1)),
+                       (os.path.splitext(json_path)[0] + ".md", md)):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
 def val_shard(settings, data_dir):
     """The validation shard the checkpoint's training run held out (train.py's layout)."""
     if settings.get("dataset", "embedded") == "embedded":
@@ -431,10 +444,15 @@ def main(argv):
 
     model, meta = load_model(ckpt, dev)
     model.eval()
-    tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"))  # saved with the weights
     settings = meta.get("settings", {})
+    # the run's document token (train.py's bos_token); bos= only when it is not the default, so a
+    # data.load_tokenizer from before that keyword works too
+    bos = settings.get("bos_token", data.BOS)
+    tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # saved with the weights
+                                    **({} if bos == data.BOS else {"bos": bos}))
     data_dir = c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR)
     seq_len = model.config.sequence_len
+    json_path = c.out or os.path.join(meta["path"], "eval.json")
     print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K="
            f"{model.config.loops}; evaluating K in {loops_list} on {dev}, world {world}")
 
@@ -445,43 +463,52 @@ def main(argv):
             dist.barrier()
         return path or fetch()
 
-    results = {K: {} for K in loops_list}
-    if "bpb" in run_modes:
-        files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
-        steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
-        loader = data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev)
-        bpb = evaluate_bpb(model, islice(loader, steps), tokenizer.token_bytes().to(dev), loops_list)
-        for K, v in bpb.items():
-            results[K]["val_bpb"] = v
-        print0(f"val bpb ({steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}): "
-               + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
-    if "wiki" in run_modes:
-        path = c.wiki_path or fetched(lambda: data.download(
-            c.wiki_url, os.path.join(data_dir, "wikitext", "wikitext-2-v1-test.parquet")))
-        ppl = evaluate_ppl(model, tokenizer, load_rows(path), loops_list, c.batch_size)
-        for K, v in ppl.items():
-            results[K]["wiki_ppl"] = v
-        print0("wikitext-2 test ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
-    if "core" in run_modes:
-        bundle = fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(data_dir, "eval_bundle"), c.bundle_url))
-        core = evaluate_core(model, tokenizer, load_bundle(bundle), loops_list, c.batch_size, c.max_per_task,
-                             log=print0)
-        for K, r in core.items():
-            results[K].update(r)
-        print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
-    if "sample" in run_modes and rank == 0:
-        for K, texts in sample(model, tokenizer, loops_list, c.sample_tokens, c.temperature, c.seed).items():
-            results[K]["samples"] = texts
-            print0(f"--- K={K}\n" + "\n".join(repr(t) for t in texts))
-    if rank == 0:
-        json_path = c.out or os.path.join(meta["path"], "eval.json")
-        md = table(results)
-        with open(json_path, "w") as f:
-            json.dump({"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
-                       "results": {str(K): r for K, r in results.items()}, "table": md}, f, indent=1)
-        with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
-            f.write(md)
-        print0("\n" + md + f"written to {json_path}")
+    def run(mode):
+        """{K: {key: value}} of one mode."""
+        if mode == "bpb":
+            files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
+            steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
+            loader = data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev)
+            bpb = evaluate_bpb(model, islice(loader, steps), tokenizer.token_bytes().to(dev), loops_list)
+            print0(f"val bpb ({steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}): "
+                   + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
+            return {K: {"val_bpb": v} for K, v in bpb.items()}
+        if mode == "wiki":
+            path = c.wiki_path or fetched(lambda: data.download(
+                c.wiki_url, os.path.join(data_dir, "wikitext", "wikitext-2-v1-test.parquet")))
+            ppl = evaluate_ppl(model, tokenizer, load_rows(path), loops_list, c.batch_size)
+            print0("wikitext-2 test ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
+            return {K: {"wiki_ppl": v} for K, v in ppl.items()}
+        if mode == "core":
+            bundle = fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(data_dir, "eval_bundle"),
+                                                  c.bundle_url))
+            core = evaluate_core(model, tokenizer, load_bundle(bundle), loops_list, c.batch_size,
+                                 c.max_per_task, log=print0)
+            print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
+            return core
+        if rank > 0:  # sample: rank 0 alone
+            return {}
+        texts = sample(model, tokenizer, loops_list, c.sample_tokens, c.temperature, c.seed)
+        for K, t in texts.items():
+            print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
+        return {K: {"samples": t} for K, t in texts.items()}
+
+    results, done = {K: {} for K in loops_list}, []
+    for mode in (m for m in MODES if m in run_modes):
+        try:
+            for K, r in run(mode).items():
+                results[K].update(r)
+        except Exception as e:
+            print0(f"eval.py: mode {mode!r} failed ({e}); saved in {json_path}: {done or 'nothing'}. Inputs are "
+                   "downloaded unless given: without network, point at local files with --val_files=<parquet "
+                   "shards> (bpb), --wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens> (wiki), "
+                   "--bundle_dir=<unpacked eval_bundle> (core).", file=sys.stderr)
+            raise
+        done.append(mode)
+        if rank == 0:
+            write_results(json_path, {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
+                                      "results": {str(K): r for K, r in results.items()}}, table(results))
+    print0("\n" + table(results) + f"written to {json_path}")
     if world > 1:
         dist.barrier()  # rank 0 was writing; no rank tears the group down under another
         dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """Tests for eval.py: CORE prompts and scoring, bits per byte, WikiText perplexity, the budget
-sweep, the bundle's errors and download, the table, and a CLI run end to end.
+sweep, the bundle's errors and download, the table, and CLI runs end to end.
 
 Scores are checked against models whose answers are known: `Oracle` puts all its probability
 on the next token of sequences it was told, `Uniform` on nothing (loss ln V everywhere), and a
@@ -16,6 +16,8 @@ import os
 import random
 import socket
 import string
+import subprocess
+import sys
 import threading
 import zipfile
 from types import SimpleNamespace
@@ -705,6 +707,48 @@ def test_cli_end_to_end(tmp_path):
         assert r["samples"][0].startswith(ev.SAMPLE_PROMPTS[0])
     assert (step / "eval.md").read_text() == saved["table"] == ev.table(results)
     assert not (tmp_path / "nodata").exists()  # every input was local
+
+
+def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
+    """bpb succeeds, then wiki cannot download (a closed port): eval.json holds val_bpb, the run
+    exits non-zero, and stderr says how to point at a local file. (data.download retries a refused
+    connection with back-off: this test waits about 15 s.)"""
+    _, _, step = save_checkpoint(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the socket is
+    args = [str(tmp_path / "run"), "--device=cpu", "--loops=1", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
+            f"--data_dir={tmp_path / 'data'}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "eval.py"), *args, "--modes=bpb,wiki,core",
+                           f"--wiki_url=http://127.0.0.1:{port}/test.parquet"], cwd=root, capture_output=True, text=True,
+                          env=os.environ | {"NO_PROXY": "127.0.0.1", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode != 0 and "--wiki_path" in proc.stderr and "--bundle_dir" in proc.stderr
+    saved = json.loads((step / "eval.json").read_text())["results"]["1"]
+    assert set(saved) == {"val_bpb"}  # wiki failed and core never ran
+    assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "tokenizer.json"]  # no temp file left
+    alone = ev.main(args + ["--modes=bpb", f"--out={tmp_path / 'bpb.json'}"])
+    assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("settings, kwargs", [({}, {}), ({"bos_token": data.BOS}, {}),
+                                              ({"bos_token": "<|bos|>"}, {"bos": "<|bos|>"})])
+def test_tokenizer_loaded_with_the_checkpoint_bos_token(tmp_path, monkeypatch, settings, kwargs):
+    """bos= is passed only for a document token other than data.BOS (data.py's keyword is new)."""
+    save_checkpoint(tmp_path, **settings)
+    calls = []
+
+    def load_tokenizer(path, **kw):
+        calls.append(kw)
+        raise Stop
+    monkeypatch.setattr(data, "load_tokenizer", load_tokenizer)
+    with pytest.raises(Stop):
+        ev.main([str(tmp_path / "run"), "--device=cpu"])
+    assert calls == [kwargs]
 
 
 # ----------------------------------------------------------------------------- torchrun
