@@ -291,11 +291,11 @@ def score_sequences(model, seqs, loops_list, batch_size):
         # padding (targets -1, ignored) never changes the causal positions before it.
         x = pad_sequence([torch.tensor(t) for t, _ in rows], batch_first=True).to(device)
         y = pad_sequence([torch.tensor(t[1:] + [-1]) for t, _ in rows], batch_first=True, padding_value=-1).to(device)
-        s = torch.tensor([s for _, s in rows], device=device)[:, None]
-        e = torch.tensor([len(t) for t, _ in rows], device=device)[:, None]
+        start = torch.tensor([s for _, s in rows], device=device)[:, None]
+        end = torch.tensor([len(t) for t, _ in rows], device=device)[:, None]
         pos = torch.arange(x.shape[1], device=device)
         # nanochat's slice losses[s-1:e-1]; at s = 0 it starts at -1, the last column, and is empty
-        span = (pos >= s - 1) & (pos < e - 1) & (s > 0)
+        span = (pos >= start - 1) & (pos < end - 1) & (start > 0)
         for K, (loss, pred) in loop_losses(model, x, y, loops_list).items():
             mean[K][chunk] = ((loss * span).sum(1) / span.sum(1)).double().cpu()  # an empty span: 0/0 = NaN
             exact[K][chunk] = ((pred == y) | ~span).all(1).cpu()
