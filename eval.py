@@ -3,7 +3,6 @@ Evaluate one looped checkpoint at several loop budgets K: a row of the paper's T
 
     python eval.py out/flt_base --modes=bpb,wiki,core,sample --loops=1,3,6,9,12
     torchrun --nproc_per_node=8 eval.py out/flt_base/step_004000 --max_per_task=500
-    python -c "import eval; eval.bench()"    # CPU timings: batched CORE, one-pass budget sweep
 
 The argument is a run's out_dir (its newest step_* is used) or a step directory, read with the
 tokenizer.json saved beside the weights. Results go to <step dir>/eval.json (setting `out`), a
@@ -14,29 +13,39 @@ max(loops) yields each requested K's logits as head(h(K)); every metric goes thr
 which does exactly that.
 
 Protocols
-- val bpb (SPEC 8): bpb_tokens tokens of the training data's last (validation) shard, in
-  (batch_size, seq_len) windows from data.DataLoader. bpb = sum of target losses (nats) / (ln 2 *
-  sum of the targets' UTF-8 bytes); 0-byte targets (special tokens, e.g. BOS) are left out of both.
-- WikiText-2 perplexity: the wikitext-2-raw-v1 validation split, rows joined with no separator (each
-  keeps its own newline), tokenized, one BOS prepended, cut into non-overlapping windows of seq_len+1
-  tokens (the last may be shorter); all but a window's first token are targets. ppl = exp(mean NLL).
-- CORE (DCLM, nanochat's protocol): each task of core.yaml with its first num_fewshot. Items are
-  shuffled with random.Random(1337), then cut to max_per_task. Item idx gets num_fewshot examples
-  drawn with random.Random(1234 + idx) from the other shuffled items of the whole task (so a cut
-  run scores the same prompts as a full one), rendered like the item with their gold answer, each
-  followed by "\\n\\n", before it:
-    multiple_choice    query + delim + choice            score: mean loss of the choice tokens
-    schema             context_option + delim + cont     score: mean loss of the continuation
-    language_modeling  context.strip() + delim + cont    correct iff the argmax at every
-                       continuation position is the continuation token (teacher forcing)
-  MC and schema predict the option of lowest score. Sequences start with BOS; the scored tokens
-  are found by tokenizing the shared part alone (common prefix for MC/LM, suffix for schema). A
-  sequence over seq_len + 1 tokens keeps its last seq_len + 1 (the model reads seq_len).
-  Centered accuracy = (acc - r) / (1 - r), r = random baseline / 100; CORE = their mean.
+- val bpb (SPEC 8; nanochat's evaluate_bpb): bpb_tokens tokens (default 40 * 2**19, the authors'
+  count) of the training data's last (validation) shard, in (batch_size, seq_len) windows from
+  data.DataLoader. bpb = sum of target losses (nats) / (ln 2 * sum of the targets' UTF-8 bytes);
+  0-byte targets (special tokens, e.g. BOS) are left out of both sums.
+- WikiText-2 perplexity (the authors' protocol): the wikitext-2-v1 TEST split (the tokenized,
+  non-raw variant with <unk>). Every row, empty ones included, becomes BOS + its tokens; all rows
+  are concatenated into one stream, cut into contiguous non-overlapping windows of seq_len + 1
+  tokens, the remainder dropped. A window's last seq_len tokens are targets; ppl = exp(mean NLL).
+- CORE (DCLM): nanochat's core_eval, example by example. Each core.yaml task with its first
+  num_fewshot and continuation_delimiter (default " "); items shuffled with random.Random(1337),
+  then cut to the first max_per_task if > 0. Item idx's shots: random.Random(1234 + idx) draws
+  num_fewshot of the other items of that cut list, each rendered with its gold answer + "\n\n".
+  Prompts, each tokenized alone after BOS, and the scored span tokens[s:]:
+    multiple_choice    shots + query + delim + choice, per choice; s = the longest common prefix
+                       of ALL choices' sequences (words the choices share are not scored)
+    schema             shots + context + delim + continuation, per context; s = len - the longest
+                       common suffix of all sequences (it may reach back into the contexts)
+    language_modeling  with = shots + context.strip() + delim + continuation; s = len(without),
+                       without = (shots + context.strip() + delim).strip(), which must be a token
+                       prefix of with (else ValueError; nanochat asserts). A "\n" delim is scored.
+  Over sequence_len tokens, a sequence keeps its last sequence_len, all fed (s shifts; below 0
+  is a ValueError, as nanochat's assert). Position p predicts token p + 1, so the span's losses
+  are nanochat's slice losses[s-1:len-1]. MC/schema: the option of lowest mean span loss by
+  Python's min (ties: the first; an empty span's NaN as min() takes it). LM: correct iff the
+  argmax is right at every span position. Accuracy over the (cut) items; centered accuracy
+  (acc - r) / (1 - r), r = random baseline / 100; CORE = their mean.
 - Table 1 downstream columns, raw accuracy by core.yaml label: LMB = lambada_openai (0-shot),
   PIQA = piqa, Hella = hellaswag (10-shot, not hellaswag_zeroshot), OPQA = openbook_qa (0-shot),
   ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean. A label missing from the
   bundle leaves its column, and Avg, empty.
+
+eval.json is rewritten (atomically) after every mode, so a mode that fails (e.g. no network for a
+download) keeps the ones before it; the run then exits non-zero.
 """
 import csv
 import json
@@ -60,22 +69,22 @@ import yaml
 
 import data
 from configurator import configure, settings_of
-from model import GPT, config_for_depth, load_model
+from model import load_model
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample
 loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
 device = ""                     # cuda | cpu | mps; empty = autodetect
 batch_size = 8                  # sequences per forward
-bpb_tokens = 2**20              # validation tokens for bpb
+bpb_tokens = 40 * 2**19         # validation tokens for bpb: the authors' count
 val_files = ""                  # comma-separated parquet shards; empty = the checkpoint's validation shard
 data_dir = ""                   # empty = the checkpoint's data_dir; downloads land here
-wiki_path = ""                  # parquet with a text column, or raw text; empty = download wiki_url
+wiki_path = ""                  # wikitext-2-v1 test: parquet (text column) or wiki.test.tokens; empty = wiki_url
 wiki_url = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
-            "wikitext-2-raw-v1/validation-00000-of-00001.parquet")
+            "wikitext-2-v1/test-00000-of-00001.parquet")
 bundle_dir = ""                 # DCLM eval bundle directory; empty = data_dir/eval_bundle
 bundle_url = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
-max_per_task = -1               # CORE items per task after the seeded shuffle; -1 = all
+max_per_task = -1               # CORE items per task after the seeded shuffle; <= 0 = all (as nanochat)
 sample_tokens = 48              # sample mode: tokens generated per prompt and K
 temperature = 0.0               # sample mode: 0 = greedy
 seed = 42                       # sample mode: sampling seed when temperature > 0
@@ -117,14 +126,6 @@ def loop_losses(model, idx, targets, loops_list):
     return result
 
 
-def collate(rows, device):
-    """(input, target) lists of varying length -> (B, T) tensors, right-padded; padded targets -1
-    (ignored). Causal attention means the padding never changes the positions before it."""
-    x = pad_sequence([torch.tensor(xs) for xs, _ in rows], batch_first=True)
-    y = pad_sequence([torch.tensor(ys) for _, ys in rows], batch_first=True, padding_value=-1)
-    return x.to(device), y.to(device)
-
-
 def loss_sums(model, batches, loops_list, weight):
     """Per-K sums of token losses over the targets with weight(y) > 0, and the sum of weight(y),
     over all batches and all ranks."""
@@ -149,27 +150,35 @@ def evaluate_bpb(model, batches, token_bytes, loops_list):
 
 
 # ----------------------------------------------------------------------------- WikiText-2
-def load_text(path):
-    """A parquet file's `text` column joined with no separator (WikiText rows keep their own
-    newlines), or a raw text file as is."""
+def load_rows(path):
+    """WikiText rows: a parquet file's `text` column, or the lines of wiki.test.tokens with blank
+    lines as "" (how the Hugging Face parquet was built from that file)."""
     if path.endswith(".parquet"):
         names = pq.read_schema(path).names
         if "text" not in names:
             raise ValueError(f"{path}: no 'text' column (columns: {names})")
-        return "".join(pq.read_table(path, columns=["text"]).column("text").to_pylist())
+        return pq.read_table(path, columns=["text"]).column("text").to_pylist()
     with open(path, encoding="utf-8") as f:
-        return f.read()
+        return [line if line.strip() else "" for line in f]
 
 
-def evaluate_ppl(model, tokenizer, text, loops_list, batch_size):
-    """{K: perplexity} of text by the window protocol of the module docstring."""
-    ids = [tokenizer.bos_id] + tokenizer.encode(text)
-    n = model.config.sequence_len + 1
+def wiki_windows(tokenizer, rows, n):
+    """BOS + tokens of every row, concatenated, cut into non-overlapping windows of n tokens; the
+    remainder is dropped (the authors' protocol)."""
+    ids = [t for row in tokenizer.encode_batch(rows) for t in [tokenizer.bos_id] + row]
+    if len(ids) < n:
+        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one window of sequence_len + 1 = {n}")
+    return [ids[i:i + n] for i in range(0, len(ids) - n + 1, n)]
+
+
+def evaluate_ppl(model, tokenizer, rows, loops_list, batch_size):
+    """{K: perplexity} of WikiText rows by the window protocol of the module docstring."""
     rank, world = rank_world()
-    mine = [ids[i:i + n] for i in range(0, len(ids) - 1, n)][rank::world]  # windows of >= 2 tokens
-    batches = (collate([(w[:-1], w[1:]) for w in mine[i:i + batch_size]], next(model.parameters()).device)
-               for i in range(0, len(mine), batch_size))
-    nats, n_tokens = loss_sums(model, batches, loops_list, lambda y: (y >= 0).long())
+    mine = wiki_windows(tokenizer, rows, model.config.sequence_len + 1)[rank::world]
+    device = next(model.parameters()).device
+    batches = ((w[:, :-1], w[:, 1:]) for w in (torch.tensor(mine[i:i + batch_size], device=device)
+                                               for i in range(0, len(mine), batch_size)))
+    nats, n_tokens = loss_sums(model, batches, loops_list, lambda y: torch.ones_like(y))
     return {K: math.exp(s / n_tokens) for K, s in zip(loops_list, nats)}
 
 
@@ -208,14 +217,16 @@ def load_bundle(bundle_dir):
 
 
 def load_items(task, max_per_task):
-    """The task's items, shuffled with seed 1337, and how many of them (the first) are scored."""
+    """The task's items, shuffled with seed 1337, then cut to max_per_task if > 0 (nanochat)."""
     with open(task["path"], encoding="utf-8") as f:
         items = [json.loads(line) for line in f if line.strip()]
     random.Random(1337).shuffle(items)
-    n = len(items) if max_per_task < 0 else min(max_per_task, len(items))
+    if max_per_task > 0:
+        items = items[:max_per_task]
     if task["fewshot"] >= len(items):
-        raise ValueError(f"task {task['label']!r}: {task['fewshot']}-shot needs more than {len(items)} items")
-    return items, n
+        raise ValueError(f"task {task['label']!r}: {task['fewshot']}-shot needs more than {len(items)} items "
+                         f"(max_per_task={max_per_task})")
+    return items
 
 
 def fewshot_indices(idx, n_items, k):
@@ -226,78 +237,96 @@ def fewshot_indices(idx, n_items, k):
 
 
 def render(task, item, examples):
-    """(full prompts, one per option; the text they share: the prefix, or the suffix for schema)."""
+    """nanochat's prompts: one per option for MC and schema; [without, with] the continuation for LM."""
     d, kind = task["delimiter"], task["type"]
     if kind == "multiple_choice":
-        shots = "".join(ex["query"] + d + ex["choices"][ex["gold"]] + "\n\n" for ex in examples)
-        prefix = shots + item["query"] + d
-        return [prefix + choice for choice in item["choices"]], prefix
+        shots = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in examples)
+        return [f"{shots}{item['query']}{d}{choice}" for choice in item["choices"]]
     if kind == "schema":
-        shots = "".join(ex["context_options"][ex["gold"]] + d + ex["continuation"] + "\n\n" for ex in examples)
-        suffix = d + item["continuation"]
-        return [shots + context + suffix for context in item["context_options"]], suffix
-    # language_modeling: contexts are stripped as in nanochat (some carry trailing whitespace)
-    shots = "".join(ex["context"].strip() + d + ex["continuation"] + "\n\n" for ex in examples)
-    prefix = shots + item["context"].strip() + d
-    return [prefix + item["continuation"]], prefix
+        shots = "".join(f"{ex['context_options'][ex['gold']]}{d}{ex['continuation']}\n\n" for ex in examples)
+        return [f"{shots}{context}{d}{item['continuation']}" for context in item["context_options"]]
+    # language_modeling: contexts are stripped (some carry trailing whitespace), and so is `without`
+    shots = "".join(f"{str(ex['context']).strip()}{d}{ex['continuation']}\n\n" for ex in examples)
+    prompt = f"{shots}{str(item['context']).strip()}{d}"
+    return [prompt.strip(), f"{prompt}{item['continuation']}"]
 
 
-def task_sequences(tokenizer, task, items, idx, seq_len):
-    """Item idx as [(tokens, start)], one per option: the targets tokens[start:] are scored."""
+def task_sequences(tokenizer, task, items, idx, max_len):
+    """Item idx as [(tokens, s)], one per option: the span tokens[s:] is scored."""
     examples = [items[j] for j in fewshot_indices(idx, len(items), task["fewshot"])]
-    fulls, shared = render(task, items[idx], examples)
-    encoded = tokenizer.encode_batch([shared] + fulls)
-    shared_ids, seqs = encoded[0], []
-    for ids in encoded[1:]:
-        ids = [tokenizer.bos_id] + ids
-        # os.path.commonprefix compares any sequences element-wise, token lists included
-        if task["type"] == "schema":
-            start = len(ids) - len(os.path.commonprefix([shared_ids[::-1], ids[::-1]]))
-        else:
-            start = len(os.path.commonprefix([[tokenizer.bos_id] + shared_ids, ids]))
-        if start >= len(ids):
-            raise ValueError(f"task {task['label']!r} item {idx}: empty continuation")
-        crop = max(0, len(ids) - (seq_len + 1))  # keep the end; the model reads seq_len tokens
-        seqs.append((ids[crop:], max(1, start - crop)))
-    return seqs
+    seqs = [[tokenizer.bos_id] + ids for ids in tokenizer.encode_batch(render(task, items[idx], examples))]
+    # os.path.commonprefix compares any sequences element-wise, token lists included
+    if task["type"] == "multiple_choice":
+        starts = [len(os.path.commonprefix(seqs))] * len(seqs)
+    elif task["type"] == "schema":
+        suffix = len(os.path.commonprefix([s[::-1] for s in seqs]))
+        starts = [len(s) - suffix for s in seqs]
+    else:
+        without, seqs = seqs[0], seqs[1:]
+        if len(without) >= len(seqs[0]) or seqs[0][:len(without)] != without:
+            raise ValueError(f"task {task['label']!r} item {idx}: the prompt without the continuation is not a "
+                             "token prefix of the prompt with it (nanochat's evaluator asserts this)")
+        starts = [len(without)]
+    cropped = []
+    for s, start in zip(seqs, starts):
+        crop = max(0, len(s) - max_len)  # nanochat keeps the last max_len tokens
+        if start < crop:
+            raise ValueError(f"task {task['label']!r} item {idx}: the scored span ({len(s) - start} tokens) is "
+                             f"longer than sequence_len={max_len}")
+        cropped.append((s[crop:], start - crop))
+    return cropped
 
 
 def score_sequences(model, seqs, loops_list, batch_size):
-    """{K: (mean loss of the scored tokens (N,), all scored tokens argmax-correct (N,))} for
-    [(tokens, start)], batch_size sequences per forward, sorted by length to limit padding."""
+    """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
+    for [(tokens, s)], batch_size sequences per forward, sorted by length to limit padding."""
     device = next(model.parameters()).device
-    mean = {K: torch.zeros(len(seqs)) for K in loops_list}
+    mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     for b in range(0, len(order), batch_size):
         chunk = order[b:b + batch_size]
-        # position p predicts tokens[p + 1]: targets are -1 before the scored span
-        x, y = collate([(t[:-1], [-1] * (s - 1) + t[s:]) for t, s in (seqs[i] for i in chunk)], device)
-        scored = y >= 0
+        rows = [seqs[i] for i in chunk]
+        # every token is fed, as nanochat does; position p predicts y[p] = tokens[p + 1]. Right
+        # padding (targets -1, ignored) never changes the causal positions before it.
+        x = pad_sequence([torch.tensor(t) for t, _ in rows], batch_first=True).to(device)
+        y = pad_sequence([torch.tensor(t[1:] + [-1]) for t, _ in rows], batch_first=True, padding_value=-1).to(device)
+        start = torch.tensor([s for _, s in rows], device=device)[:, None]
+        end = torch.tensor([len(t) for t, _ in rows], device=device)[:, None]
+        pos = torch.arange(x.shape[1], device=device)
+        # nanochat's slice losses[s-1:e-1]; at s = 0 it starts at -1, the last column, and is empty
+        span = (pos >= start - 1) & (pos < end - 1) & (start > 0)
         for K, (loss, pred) in loop_losses(model, x, y, loops_list).items():
-            mean[K][chunk] = ((loss * scored).sum(1) / scored.sum(1)).float().cpu()
-            exact[K][chunk] = ((pred == y) | ~scored).all(1).cpu()
+            mean[K][chunk] = ((loss * span).sum(1) / span.sum(1)).double().cpu()  # an empty span: 0/0 = NaN
+            exact[K][chunk] = ((pred == y) | ~span).all(1).cpu()
     return {K: (mean[K], exact[K]) for K in loops_list}
+
+
+def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size):
+    """{K: [whether item idx is answered right, for idx in idxs]} by nanochat's decision rules."""
+    seqs = [task_sequences(tokenizer, task, items, i, model.config.sequence_len) for i in idxs]
+    scores = score_sequences(model, [s for item in seqs for s in item], loops_list, batch_size)
+    correct = {}
+    for K, (mean, exact) in scores.items():
+        if task["type"] == "language_modeling":  # one sequence per item
+            correct[K] = exact.tolist()
+            continue
+        it = iter(mean.tolist())
+        options = [list(islice(it, len(item))) for item in seqs]
+        # Python's min and index, as nanochat: the first of tied options, NaN compared as min() does
+        correct[K] = [m.index(min(m)) == items[i]["gold"] for i, m in zip(idxs, options)]
+    return correct
 
 
 def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-1):
     """{K: accuracy} on one task. Under torchrun each rank scores every world-th item."""
-    items, n = load_items(task, max_per_task)
+    items = load_items(task, max_per_task)
     rank, world = rank_world()
-    mine = range(rank, n, world)
-    seqs = [task_sequences(tokenizer, task, items, i, model.config.sequence_len) for i in mine]
-    scores = score_sequences(model, [s for item in seqs for s in item], loops_list, batch_size)
-    correct = []
-    for K in loops_list:
-        mean, exact = scores[K]
-        if task["type"] == "language_modeling":  # one sequence per item
-            correct.append(exact.sum().item())
-        else:  # the option of lowest mean loss; ties go to the first, as in nanochat
-            options = mean.split([len(item_seqs) for item_seqs in seqs])
-            correct.append(sum(m.argmin().item() == items[i]["gold"] for i, m in zip(mine, options)))
-    correct = torch.tensor(correct, dtype=torch.float64, device=next(model.parameters()).device)
-    all_reduce_sum(correct)
-    return {K: c / n for K, c in zip(loops_list, correct.tolist())}
+    correct = item_correct(model, tokenizer, task, items, range(rank, len(items), world), loops_list, batch_size)
+    counts = torch.tensor([sum(correct[K]) for K in loops_list], dtype=torch.float64,
+                          device=next(model.parameters()).device)
+    all_reduce_sum(counts)
+    return {K: c / len(items) for K, c in zip(loops_list, counts.tolist())}
 
 
 def centered(accuracy, baseline_percent):
@@ -370,6 +399,16 @@ def table(results):
 
 
 # ----------------------------------------------------------------------------- main
+def write_results(json_path, record, md):
+    """eval.json (record + the table) and eval.md beside it, each replaced atomically."""
+    for path, text in ((json_path, json.dumps(record | {"table": md}, indent=1)),
+                       (os.path.splitext(json_path)[0] + ".md", md)):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
 def val_shard(settings, data_dir):
     """The validation shard the checkpoint's training run held out (train.py's layout)."""
     if settings.get("dataset", "embedded") == "embedded":
@@ -405,10 +444,15 @@ def main(argv):
 
     model, meta = load_model(ckpt, dev)
     model.eval()
-    tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"))  # saved with the weights
     settings = meta.get("settings", {})
+    # the run's document token (train.py's bos_token); bos= only when it is not the default, so a
+    # data.load_tokenizer from before that keyword works too
+    bos = settings.get("bos_token", data.BOS)
+    tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # saved with the weights
+                                    **({} if bos == data.BOS else {"bos": bos}))
     data_dir = c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR)
     seq_len = model.config.sequence_len
+    json_path = c.out or os.path.join(meta["path"], "eval.json")
     print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K="
            f"{model.config.loops}; evaluating K in {loops_list} on {dev}, world {world}")
 
@@ -419,78 +463,56 @@ def main(argv):
             dist.barrier()
         return path or fetch()
 
-    results = {K: {} for K in loops_list}
-    if "bpb" in run_modes:
-        files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
-        steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
-        loader = data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev)
-        bpb = evaluate_bpb(model, islice(loader, steps), tokenizer.token_bytes().to(dev), loops_list)
-        for K, v in bpb.items():
-            results[K]["val_bpb"] = v
-        print0(f"val bpb ({steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}): "
-               + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
-    if "wiki" in run_modes:
-        path = c.wiki_path or fetched(lambda: data.download(
-            c.wiki_url, os.path.join(data_dir, "wikitext", "wikitext-2-raw-v1-validation.parquet")))
-        ppl = evaluate_ppl(model, tokenizer, load_text(path), loops_list, c.batch_size)
-        for K, v in ppl.items():
-            results[K]["wiki_ppl"] = v
-        print0("wikitext-2 ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
-    if "core" in run_modes:
-        bundle = fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(data_dir, "eval_bundle"), c.bundle_url))
-        core = evaluate_core(model, tokenizer, load_bundle(bundle), loops_list, c.batch_size, c.max_per_task,
-                             log=print0)
-        for K, r in core.items():
-            results[K].update(r)
-        print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
-    if "sample" in run_modes and rank == 0:
-        for K, texts in sample(model, tokenizer, loops_list, c.sample_tokens, c.temperature, c.seed).items():
-            results[K]["samples"] = texts
-            print0(f"--- K={K}\n" + "\n".join(repr(t) for t in texts))
-    if rank == 0:
-        json_path = c.out or os.path.join(meta["path"], "eval.json")
-        md = table(results)
-        with open(json_path, "w") as f:
-            json.dump({"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
-                       "results": {str(K): r for K, r in results.items()}, "table": md}, f, indent=1)
-        with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
-            f.write(md)
-        print0("\n" + md + f"written to {json_path}")
+    def run(mode):
+        """{K: {key: value}} of one mode."""
+        if mode == "bpb":
+            files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
+            steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
+            loader = data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev)
+            bpb = evaluate_bpb(model, islice(loader, steps), tokenizer.token_bytes().to(dev), loops_list)
+            print0(f"val bpb ({steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}): "
+                   + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
+            return {K: {"val_bpb": v} for K, v in bpb.items()}
+        if mode == "wiki":
+            path = c.wiki_path or fetched(lambda: data.download(
+                c.wiki_url, os.path.join(data_dir, "wikitext", "wikitext-2-v1-test.parquet")))
+            ppl = evaluate_ppl(model, tokenizer, load_rows(path), loops_list, c.batch_size)
+            print0("wikitext-2 test ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
+            return {K: {"wiki_ppl": v} for K, v in ppl.items()}
+        if mode == "core":
+            bundle = fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(data_dir, "eval_bundle"),
+                                                  c.bundle_url))
+            core = evaluate_core(model, tokenizer, load_bundle(bundle), loops_list, c.batch_size,
+                                 c.max_per_task, log=print0)
+            print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
+            return core
+        if rank > 0:  # sample: rank 0 alone
+            return {}
+        texts = sample(model, tokenizer, loops_list, c.sample_tokens, c.temperature, c.seed)
+        for K, t in texts.items():
+            print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
+        return {K: {"samples": t} for K, t in texts.items()}
+
+    results, done = {K: {} for K in loops_list}, []
+    for mode in (m for m in MODES if m in run_modes):
+        try:
+            for K, r in run(mode).items():
+                results[K].update(r)
+        except Exception as e:
+            print0(f"eval.py: mode {mode!r} failed ({e}); saved in {json_path}: {done or 'nothing'}. Inputs are "
+                   "downloaded unless given: without network, point at local files with --val_files=<parquet "
+                   "shards> (bpb), --wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens> (wiki), "
+                   "--bundle_dir=<unpacked eval_bundle> (core).", file=sys.stderr)
+            raise
+        done.append(mode)
+        if rank == 0:
+            write_results(json_path, {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
+                                      "results": {str(K): r for K, r in results.items()}}, table(results))
+    print0("\n" + table(results) + f"written to {json_path}")
     if world > 1:
         dist.barrier()  # rank 0 was writing; no rank tears the group down under another
         dist.destroy_process_group()
     return results
-
-
-def bench(depth=4, seq_len=256, n_seqs=32, repeats=3):
-    """CPU timings on a random depth-4 model: CORE-style scoring batched (8 per forward) vs one
-    sequence per forward, and the budget sweep in one pass vs a pass per K. The two sides of a
-    ratio alternate and the median is kept, so machine noise hits both alike."""
-    torch.manual_seed(0)
-    model = GPT(config_for_depth(depth, sequence_len=seq_len, vocab_size=4096, loops=12))
-    model.init_weights()
-    lengths = torch.randint(seq_len // 4, seq_len // 2, (n_seqs,)).tolist()
-    seqs = [(torch.randint(0, 4096, (n,)).tolist(), n - 5) for n in lengths]  # MC-like: 5 scored tokens
-    x = torch.randint(0, 4096, (4, seq_len))
-    budgets = [1, 3, 6, 9, 12]
-
-    def medians(fn_a, fn_b):
-        times = ([], [])
-        for _ in range(repeats):
-            for fn, ts in zip((fn_a, fn_b), times):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return [statistics.median(ts) for ts in times]
-
-    single, batched = medians(lambda: score_sequences(model, seqs, [3], 1),
-                              lambda: score_sequences(model, seqs, [3], 8))
-    print(f"CORE scoring, K=3: {n_seqs / batched:.1f} seq/s batched (8/forward) vs {n_seqs / single:.1f} "
-          f"seq/s one per forward: {single / batched:.2f}x")
-    one, separate = medians(lambda: loop_losses(model, x, x, budgets),
-                            lambda: [loop_losses(model, x, x, [K]) for K in budgets])
-    print(f"budget sweep K in {budgets}, B={len(x)}, T={seq_len}: one pass {one:.2f}s vs a pass per K "
-          f"{separate:.2f}s: {separate / one:.2f}x")
 
 
 if __name__ == "__main__":

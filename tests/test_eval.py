@@ -1,10 +1,12 @@
 """Tests for eval.py: CORE prompts and scoring, bits per byte, WikiText perplexity, the budget
-sweep, the bundle's errors and download, the table, and a CLI run end to end.
+sweep, the bundle's errors and download, the table, and CLI runs end to end.
 
 Scores are checked against models whose answers are known: `Oracle` puts all its probability
 on the next token of sequences it was told, `Uniform` on nothing (loss ln V everywhere), and a
 real tiny GPT with every weight redrawn is compared against separate `model(idx, loops=K)` runs.
-A character tokenizer (one id per character, BOS = 0) makes token spans readable by hand.
+A character tokenizer (one id per character, BOS = 0) and a word tokenizer with hand-numbered
+words (WORD_IDS) make token spans writable by hand. CORE is also compared, example by example,
+with `nanochat_example`, a plain re-implementation of nanochat's core_eval written for this test.
 """
 import functools
 import http.server
@@ -14,6 +16,8 @@ import os
 import random
 import socket
 import string
+import subprocess
+import sys
 import threading
 import zipfile
 from types import SimpleNamespace
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import tokenizers
 
 import data
 import eval as ev
@@ -68,8 +73,9 @@ class Oracle(torch.nn.Module):
     whichever of known[K] (token lists) the input so far is a prefix of, and 0 on everything else.
     It records the loop count of every forward."""
 
-    def __init__(self, known, seq_len=256):
+    def __init__(self, known, seq_len=256, vocab=V):
         super().__init__()
+        self.vocab = vocab
         self.dummy = torch.nn.Parameter(torch.zeros(()))  # eval.py finds the device from a parameter
         self.config = SimpleNamespace(sequence_len=seq_len)
         self.tables = {K: {tuple(s[:t]): s[t] for s in seqs for t in range(1, len(s))} for K, seqs in known.items()}
@@ -79,7 +85,7 @@ class Oracle(torch.nn.Module):
         self.calls.append(loops)
         hs = []
         for K in range(1, loops + 1):
-            table, z = self.tables.get(K, {}), torch.zeros(*idx.shape, V)
+            table, z = self.tables.get(K, {}), torch.zeros(*idx.shape, self.vocab)
             for b, row in enumerate(idx.tolist()):
                 for t in range(len(row)):
                     if (nxt := table.get(tuple(row[:t + 1]))) is not None:
@@ -146,8 +152,8 @@ def tasks(tmp_path):
 
 
 def item_seqs(task, seq_len=256):
-    items, n = ev.load_items(task, -1)
-    return items, [ev.task_sequences(TOK, task, items, i, seq_len) for i in range(n)]
+    items = ev.load_items(task, -1)
+    return items, [ev.task_sequences(TOK, task, items, i, seq_len) for i in range(len(items))]
 
 
 def oracle_for(task, pick):
@@ -156,7 +162,36 @@ def oracle_for(task, pick):
     return [s[0 if task["type"] == "language_modeling" else pick(i, items[i])][0] for i, s in enumerate(seqs)]
 
 
-# ----------------------------------------------------------------------------- prompts
+# ----------------------------------------------------------------------------- a word tokenizer
+# Words numbered by hand; any other character is 100 + its index in string.printable (" " = 194,
+# "i" = 118, "4" = 104). " iron" is no word: BPE splits it into " ", "ir", "on", as real BPEs split
+# rare words and leave the space alone.
+WORD_IDS = {data.BOS: 0, " the": 1, " cat": 2, " sat": 3, " ran": 4, " dog": 5, " ice": 6, "ir": 7, "on": 8,
+            " because": 9, " she": 10, " was": 11, " too": 12, " big": 13, " is": 14, " hot": 15, " cold": 16,
+            "A": 17, ":": 18, "Q": 19, " 42": 20, "\n": 21}
+SP = 194
+
+
+def word_tokenizer():
+    vocab = WORD_IDS | {ch: 100 + i for i, ch in enumerate(string.printable) if ch not in WORD_IDS}
+    # ignore_merges: a whole word in the vocab is one token; other words are merged from characters
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("i", "r"), ("o", "n")], ignore_merges=True))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(  # GPT-2's split: a space starts the next word
+        tokenizers.Regex(r" ?[A-Za-z]+| ?[0-9]+| ?[^A-Za-z0-9\s]+|\s+(?!\S)|\s+"), behavior="isolated")
+    tok.add_special_tokens([tokenizers.AddedToken(data.BOS, special=True)])
+    return data.Tokenizer(tok)
+
+
+WTOK = word_tokenizer()
+
+
+def spans(task_type, items, idx=0, fewshot=0, delimiter=" ", max_len=256):
+    """[(kept tokens, scored span)] of item idx under eval.py, with the word tokenizer."""
+    task = dict(label="t", type=task_type, fewshot=fewshot, delimiter=delimiter)
+    return [(t, t[s:]) for t, s in ev.task_sequences(WTOK, task, items, idx, max_len)]
+
+
+# ----------------------------------------------------------------------------- prompts and spans
 
 
 def test_load_bundle_reads_yaml_and_baselines(tasks):
@@ -167,17 +202,17 @@ def test_load_bundle_reads_yaml_and_baselines(tasks):
 
 
 def test_prompts_rendered_exactly(tasks):
-    fulls, prefix = ev.render(tasks["mc_task"], MC[0], [MC[1]])
     shot = "Question: How many legs has a cat?\nAnswer: four\n\n"
-    assert prefix == shot + "Question: What color is the sky?\nAnswer: "
-    assert fulls == [shot + "Question: What color is the sky?\nAnswer: " + c for c in ("green", "blue", "red")]
-    fulls, suffix = ev.render(tasks["schema_task"], SCHEMA[0], [SCHEMA[1]])
-    assert suffix == " was too big."
-    assert fulls == ["Anna helped Mia because Mia needed help.\n\nThe cup did not fit in the box because the cup was too big.",
-                     "Anna helped Mia because Mia needed help.\n\nThe cup did not fit in the box because the box was too big."]
-    fulls, prefix = ev.render(tasks["lm_task"], LM[0], [LM[1]])  # contexts are stripped
-    assert prefix == "The opposite of up is down\n\nThe opposite of hot is "
-    assert fulls == ["The opposite of up is down\n\nThe opposite of hot is cold"]
+    assert ev.render(tasks["mc_task"], MC[0], [MC[1]]) == [
+        shot + "Question: What color is the sky?\nAnswer: " + c for c in ("green", "blue", "red")]
+    assert ev.render(tasks["schema_task"], SCHEMA[0], [SCHEMA[1]]) == [
+        "Anna helped Mia because Mia needed help.\n\nThe cup did not fit in the box because the cup was too big.",
+        "Anna helped Mia because Mia needed help.\n\nThe cup did not fit in the box because the box was too big."]
+    # LM: contexts stripped; `without` stripped as a whole, so its trailing delimiter goes too
+    assert ev.render(tasks["lm_task"], LM[0], [LM[1]]) == [
+        "The opposite of up is down\n\nThe opposite of hot is", "The opposite of up is down\n\nThe opposite of hot is cold"]
+    newline = dict(tasks["lm_task"], delimiter="\n")
+    assert ev.render(newline, {"context": " x ", "continuation": "y"}, []) == ["x", "x\ny"]
 
 
 def test_fewshot_draw_matches_nanochat():
@@ -187,39 +222,86 @@ def test_fewshot_draw_matches_nanochat():
             assert ev.fewshot_indices(idx, n, k) == expected
 
 
-def test_sequences_are_bos_prompt_and_continuation_span(tasks):
-    task = tasks["mc_task"]
-    items, _ = ev.load_items(task, -1)
-    order = list(range(len(MC)))
-    random.Random(1337).shuffle(order)
-    assert items == [MC[i] for i in order]  # the nanochat shuffle
-    for idx in range(len(items)):
-        examples = [items[j] for j in ev.fewshot_indices(idx, len(items), 1)]
-        fulls, prefix = ev.render(task, items[idx], examples)
-        seqs = ev.task_sequences(TOK, task, items, idx, 256)
-        assert seqs == [([0] + TOK.encode(f), 1 + len(prefix)) for f in fulls]
-    # schema: the span is the shared suffix " <continuation>"
-    task = tasks["schema_task"]
-    items, _ = ev.load_items(task, -1)
-    for toks, start in ev.task_sequences(TOK, task, items, 0, 256):
-        assert TOK.decode(toks[start:]) == " " + items[0]["continuation"]
+def test_mc_span_starts_after_the_prefix_common_to_all_choices():
+    """Shared words are not scored: " the" (all three) and " cat" (the first two) are context."""
+    item = {"query": "Q:", "choices": ["the cat sat", "the cat ran", "the dog"], "gold": 0}
+    assert spans("multiple_choice", [item]) == [([0, 19, 18, 1, 2, 3], [2, 3]), ([0, 19, 18, 1, 2, 4], [2, 4]),
+                                                ([0, 19, 18, 1, 5], [5])]
+    item = {"query": "Q:", "choices": ["the cat sat", "the cat ran"], "gold": 0}
+    assert [s for _, s in spans("multiple_choice", [item])] == [[3], [4]]
 
 
-def test_long_sequences_cropped_from_the_left(tasks):
-    task = tasks["mc_task"]
-    items, _ = ev.load_items(task, -1)
-    full = ev.task_sequences(TOK, task, items, 0, 256)
-    for (toks, start), (long, long_start) in zip(ev.task_sequences(TOK, task, items, 0, 20), full):
-        crop = len(long) - 21
-        assert toks == long[crop:] and start == long_start - crop  # 21 tokens: the model reads 20
+def test_mc_span_keeps_a_space_the_tokenizer_splits_off():
+    """" iron" -> " ", "ir", "on" and " ice" -> " ice" differ at the space: it is scored. (Splitting
+    at the separately tokenized "Q: " would have left the space out of the first span.)"""
+    item = {"query": "Q:", "choices": ["iron", "ice"], "gold": 1}
+    assert spans("multiple_choice", [item]) == [([0, 19, 18, SP, 7, 8], [SP, 7, 8]), ([0, 19, 18, 6], [6])]
+
+
+def test_schema_span_is_the_suffix_common_to_all_sequences():
+    """The common suffix reaches back into the contexts' shared words " because she"."""
+    item = {"context_options": ["Q: the cat because she", "Q: the dog because she"],
+            "continuation": "was too big", "gold": 0}
+    assert spans("schema", [item]) == [([0, 19, 18, 1, 2, 9, 10, 11, 12, 13], [9, 10, 11, 12, 13]),
+                                       ([0, 19, 18, 1, 5, 9, 10, 11, 12, 13], [9, 10, 11, 12, 13])]
+
+
+def test_lm_span_follows_the_stripped_prompt():
+    """The prompt without the continuation is stripped: a "\\n" delimiter becomes a scored token;
+    a context's trailing space is dropped and " hot" is one scored token."""
+    item = {"context": "Q: the cat is hot", "continuation": "A: cold"}
+    assert spans("language_modeling", [item], delimiter="\n") == [([0, 19, 18, 1, 2, 14, 15, 21, 17, 18, 16],
+                                                                   [21, 17, 18, 16])]
+    item = {"context": "Q: the cat is ", "continuation": "hot"}
+    assert spans("language_modeling", [item]) == [([0, 19, 18, 1, 2, 14, 15], [15])]
+
+
+def test_lm_prompt_that_is_no_token_prefix_is_an_error():
+    """"Q 4" + "2": " 4" alone is " ", "4", but " 42" is one word, so without is no prefix of with."""
+    with pytest.raises(ValueError, match="item 0.*not a token prefix"):
+        spans("language_modeling", [{"context": "Q 4", "continuation": "2"}], delimiter="")
+
+
+def test_long_sequences_keep_their_last_sequence_len_tokens():
+    item = {"query": "Q:", "choices": ["the cat sat", "the cat ran", "the dog"], "gold": 0}
+    assert spans("multiple_choice", [item], max_len=4) == [([18, 1, 2, 3], [2, 3]), ([18, 1, 2, 4], [2, 4]),
+                                                           ([19, 18, 1, 5], [5])]
+    with pytest.raises(ValueError, match="item 0.*longer than sequence_len=1"):
+        spans("multiple_choice", [item], max_len=1)
+
+
+def test_fewshot_examples_come_from_the_items_left_after_the_cut(tmp_path):
+    """max_per_task=3 of 6 items: the shots are drawn from those 3, as nanochat cuts first."""
+    items = [{"query": f"Q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(6)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    task = dict(label="t", type="multiple_choice", fewshot=1, delimiter=" ", path=str(tmp_path / "mc.jsonl"))
+    shuffled = list(items)
+    random.Random(1337).shuffle(shuffled)
+    cut = ev.load_items(task, 3)
+    assert cut == shuffled[:3] and ev.load_items(task, -1) == ev.load_items(task, 0) == shuffled
+    for idx in range(3):
+        shot = cut[random.Random(1234 + idx).sample([j for j in range(3) if j != idx], 1)[0]]
+        expected = [f"{shot['query']} {shot['choices'][shot['gold']]}\n\n{cut[idx]['query']} {c}" for c in "ab"]
+        assert [t[1:] for t, _ in ev.task_sequences(TOK, task, cut, idx, 256)] == [TOK.encode(p) for p in expected]
+    with pytest.raises(ValueError, match="1-shot needs more than 1 items.*max_per_task=1"):
+        ev.load_items(task, 1)
+
+
+def test_sequences_are_bos_then_the_prompt(tasks):
+    for task in tasks.values():
+        items = ev.load_items(task, -1)
+        for idx in range(len(items)):
+            prompts = ev.render(task, items[idx], [items[j] for j in ev.fewshot_indices(idx, len(items), task["fewshot"])])
+            with_continuation = prompts[1:] if task["type"] == "language_modeling" else prompts
+            assert [t for t, _ in ev.task_sequences(TOK, task, items, idx, 256)] == [
+                [TOK.bos_id] + TOK.encode(p) for p in with_continuation]
 
 
 def test_spans_with_a_real_bpe_tokenizer(tmp_path, tasks):
-    """Byte-level BPE merges the delimiter into the next word ('Ġblue'): the span still holds
-    exactly the choice, found from the common prefix of the two tokenizations."""
+    """Byte-level BPE merges the delimiter into the next word ('Ġblue'): the span holds the answer."""
     tok = bpe_tokenizer(tmp_path)
     for task in tasks.values():
-        items, _ = ev.load_items(task, -1)
+        items = ev.load_items(task, -1)
         seqs = ev.task_sequences(tok, task, items, 0, 256)
         answers = (items[0]["choices"] if task["type"] == "multiple_choice"
                    else [items[0]["continuation"]] * len(seqs))
@@ -285,11 +367,141 @@ def test_centered_accuracy_and_core(tasks):
 
 def test_max_per_task_scores_a_prefix_of_the_shuffled_items(tasks):
     task = tasks["mc_task"]
-    items, n = ev.load_items(task, 2)
-    assert n == 2 and len(items) == 3  # few-shot examples still come from all 3
-    gold = oracle_for(task, lambda i, item: item["gold"])
-    wrong = oracle_for(task, lambda i, item: (item["gold"] + 1) % len(item["choices"]))
-    assert ev.evaluate_task(Oracle({1: gold[:1] + wrong[1:]}), TOK, task, [1], 8, max_per_task=2) == {1: 0.5}
+    items = ev.load_items(task, 2)
+    assert items == ev.load_items(task, -1)[:2]
+    seqs = [ev.task_sequences(TOK, task, items, i, 256) for i in range(2)]
+    gold, wrong = seqs[0][items[0]["gold"]][0], seqs[1][(items[1]["gold"] + 1) % len(items[1]["choices"])][0]
+    assert ev.evaluate_task(Oracle({1: [gold, wrong]}), TOK, task, [1], 8, max_per_task=2) == {1: 0.5}
+
+
+def test_ties_go_to_the_first_option_and_nan_as_python_min():
+    """Uniform logits tie every option: the first is predicted. A choice whose tokens are all shared
+    (" the cat" inside " the cat ran") has an empty span, mean NaN: Python's min (nanochat's rule)
+    passes over a NaN that is not first and returns one that is first, where argmin takes any NaN."""
+    task = dict(label="t", type="multiple_choice", fewshot=0, delimiter=" ")
+    items = [{"query": "Q:", "choices": ["dog", "ice"], "gold": g} for g in (0, 1)]
+    assert ev.item_correct(Oracle({}, vocab=WTOK.vocab_size), WTOK, task, items, range(2), [1], 8) == {1: [True, False]}
+    items = [{"query": "Q:", "choices": ["the cat ran", "the cat", "the cat sat"], "gold": 2},
+             {"query": "Q:", "choices": ["the cat", "the cat ran", "the cat sat"], "gold": 2}]
+    assert [s for _, s in spans("multiple_choice", items)] == [[4], [], [3]]
+    sat = [0, 19, 18, 1, 2, 3]  # the oracle knows " the cat sat": low loss there, high on " ran"
+    assert ev.item_correct(Oracle({1: [sat]}, vocab=WTOK.vocab_size), WTOK, task, items, range(2), [1], 8) == {
+        1: [True, False]}
+
+
+# ----------------------------------------------------------------------------- CORE against nanochat's rules
+
+
+def nanochat_example(model, tok, data, idx, task, K, max_len):
+    """([(kept tokens, span start)] per option, whether item idx is right): nanochat's core_eval
+    rules re-implemented plainly, one item per forward with BOS as padding, as nanochat runs it."""
+    item, d, kind, k = data[idx], task["delimiter"], task["type"], task["fewshot"]
+    shots = [data[i] for i in random.Random(1234 + idx).sample([i for i in range(len(data)) if i != idx], k)] if k else []
+    if kind == "multiple_choice":
+        head = "".join(s["query"] + d + s["choices"][s["gold"]] + "\n\n" for s in shots) + item["query"] + d
+        texts = [head + c for c in item["choices"]]
+    elif kind == "schema":
+        head = "".join(s["context_options"][s["gold"]] + d + s["continuation"] + "\n\n" for s in shots)
+        texts = [head + c + d + item["continuation"] for c in item["context_options"]]
+    else:
+        head = "".join(s["context"].strip() + d + s["continuation"] + "\n\n" for s in shots)
+        head += item["context"].strip() + d
+        texts = [head.strip(), head + item["continuation"]]
+    seqs = [[tok.bos_id] + tok.encode(t) for t in texts]
+    if kind == "language_modeling":
+        without, seqs = seqs[0], seqs[1:]
+        assert seqs[0][:len(without)] == without
+        starts = [len(without)]
+    else:
+        n = min(len(s) for s in seqs)
+        if kind == "multiple_choice":  # first position where the options part
+            common = next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
+            starts = [common] * len(seqs)
+        else:  # schema: the common tail, counted from the end
+            common = next((i for i in range(n) if len({s[-1 - i] for s in seqs}) > 1), n)
+            starts = [len(s) - common for s in seqs]
+    crops = [max(0, len(s) - max_len) for s in seqs]
+    seqs = [s[c:] for s, c in zip(seqs, crops)]
+    starts = [s - c for s, c in zip(starts, crops)]
+    ends = [len(s) for s in seqs]
+    width = max(ends)
+    ids = torch.tensor([s + [tok.bos_id] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        logits = model(ids, loops=K)
+    losses = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none").view(ids.shape)
+    preds = logits.argmax(-1)
+    if kind == "language_modeling":
+        s, e = starts[0], ends[0]
+        right = bool((preds[0, s - 1:e - 1] == ids[0, s:e]).all())
+    else:
+        means = [losses[i, s - 1:e - 1].mean().item() for i, (s, e) in enumerate(zip(starts, ends))]
+        right = means.index(min(means)) == item["gold"]
+    return list(zip(seqs, starts)), right
+
+
+def synthetic_bundle(root):
+    """50 items over 5 tasks with the hard cases: MC choices that share words, split a space off
+    (" iron"), or lie inside another (NaN); schema contexts with shared last words; LM contexts
+    with trailing spaces and a "\\n" delimiter; prompts longer than the model's 24 tokens."""
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "ran", "dog", "ice", "iron", "because", "she", "was", "too", "big", "is", "hot",
+             "cold", "zebra", "42"]
+
+    def phrase(lo, hi):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    choice_sets = [["the cat sat", "the cat ran", "the dog"], ["iron", "ice"], ["the cat ran", "the cat", "the cat sat"],
+                   ["the cat", "the cat sat"], ["is hot", "is cold", "was too big"], ["42", "4", "zebra"],
+                   ["ice", "iron", "irony"]]
+
+    def mc(prefix):
+        choices = rng.choice(choice_sets)
+        return {"query": f"{prefix} {phrase(1, 7)}\nA:", "choices": choices, "gold": rng.randrange(len(choices))}
+
+    def schema():
+        tail = rng.choice(["because she", "the", "is"])
+        contexts = [f"Q: {phrase(0, 3)} {w} {tail}".replace("  ", " ") for w in rng.sample(["cat", "dog", "ice", "iron"], 2)]
+        return {"context_options": contexts, "continuation": rng.choice(["was too big", "is hot", "ran"]), "gold": rng.randrange(2)}
+    tasks = {  # label: (type, shots, delimiter, items)
+        "mc_space": ("multiple_choice", 1, " ", [mc("Q:") for _ in range(16)]),
+        "mc_colon": ("multiple_choice", 0, ": ", [mc("Q") for _ in range(8)]),
+        "schema": ("schema", 1, " ", [schema() for _ in range(10)]),
+        "lm_space": ("language_modeling", 0, " ", [{"context": f"Q: {phrase(1, 6)}" + rng.choice([" ", "", "  "]),
+                                                     "continuation": rng.choice(["hot", "the cat", "cold."])} for _ in range(8)]),
+        "lm_newline": ("language_modeling", 1, "\n", [{"context": f"Q: {phrase(1, 6)}",
+                                                       "continuation": f"A: {rng.choice(words)}"} for _ in range(8)])}
+    (root / "eval_data").mkdir(parents=True)
+    entries, meta = [], "Eval Task,Random baseline\n"
+    for label, (kind, shots, delim, items) in tasks.items():
+        (root / "eval_data" / f"{label}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+        entries.append({"label": label, "dataset_uri": f"{label}.jsonl", "num_fewshot": [shots],
+                        "icl_task_type": kind, "continuation_delimiter": delim})
+        meta += f"{label},25.0\n"
+    (root / "core.yaml").write_text(json.dumps({"icl_tasks": entries}))  # JSON is YAML
+    (root / "eval_meta_data.csv").write_text(meta)
+    return str(root)
+
+
+@pytest.mark.parametrize("max_per_task", [-1, 5])
+def test_core_matches_a_reimplementation_of_nanochat_example_by_example(tmp_path, max_per_task):
+    """Every item of the synthetic bundle: the same kept tokens, span and decision at K = 1 and 2."""
+    model = randomize_(tiny_gpt(seq_len=24, loops=2, vocab_size=WTOK.vocab_size))
+    n_cropped = n_items = 0
+    for task in ev.load_bundle(synthetic_bundle(tmp_path / "bundle")):
+        with open(task["path"]) as f:  # nanochat's loading: every line, shuffled with 1337, then cut
+            data_ = [json.loads(line) for line in f]
+        random.Random(1337).shuffle(data_)
+        data_ = data_[:max_per_task] if max_per_task > 0 else data_
+        items = ev.load_items(task, max_per_task)
+        got = ev.item_correct(model, WTOK, task, items, range(len(items)), [1, 2], batch_size=5)
+        assert items == data_
+        for idx in range(len(data_)):
+            for K in (1, 2):
+                seqs, right = nanochat_example(model, WTOK, data_, idx, task, K, 24)
+                assert ev.task_sequences(WTOK, task, items, idx, 24) == seqs, (task["label"], idx)
+                assert got[K][idx] == right, (task["label"], idx, K)
+            n_cropped += any(len(t) == 24 for t, _ in seqs)
+        n_items += len(items)
+    assert n_items == (50 if max_per_task < 0 else 25) and n_cropped >= 5  # the long prompts were there
 
 
 # ----------------------------------------------------------------------------- bpb and perplexity
@@ -304,34 +516,42 @@ def test_bpb_of_uniform_logits_excludes_zero_byte_tokens():
     assert bpb == {1: pytest.approx(expected), 3: pytest.approx(expected)}
 
 
-def test_perplexity_of_uniform_logits_is_vocab_size():
-    assert ev.evaluate_ppl(uniform(seq_len=8), TOK, "hello world, " * 5, [1, 2], 3) == {
-        1: pytest.approx(V), 2: pytest.approx(V)}
+def test_bpb_tokens_default_is_the_authors_count():
+    assert ev.bpb_tokens == 40 * 2**19
 
 
-def test_perplexity_window_protocol():
-    """Logit 20 on 'a' only: each target 'a' costs l_a, any other l_o. The expected mean follows
-    the protocol: [BOS] + text, windows of seq_len + 1 = 9 tokens, targets = all but the first."""
-    text = "ab" * 15  # 31 tokens with BOS: windows of 9, 9, 9, 4 -> 27 targets
-    a = TOK.encode("a")[0]
-    model = Oracle({1: [[]]}, seq_len=8)
-    model.loop_states = lambda idx, loops: [torch.zeros(*idx.shape, V).index_fill_(-1, torch.tensor([a]), 20.0)]
-    l_a, l_o = math.log(math.exp(20) + V - 1) - 20, math.log(math.exp(20) + V - 1)
-    ids = [0] + TOK.encode(text)
-    targets = [t for i in range(0, len(ids), 9) for t in ids[i + 1:i + 9]]
-    assert len(targets) == 27
-    expected = math.exp(sum(l_a if t == a else l_o for t in targets) / len(targets))
-    assert ev.evaluate_ppl(model, TOK, text, [1], 2)[1] == pytest.approx(expected, rel=1e-5)
+def test_wiki_windows_layout():
+    """BOS before every row (the empty one too), one stream, windows of n = 4, remainder dropped:
+    [0 a b] [0] [0 c \\n] [0 d e] -> [0 a b 0] [0 c \\n 0], and [d e] is dropped."""
+    a, b, c, d, e, nl = 11, 12, 13, 14, 15, 97  # CharTokenizer ids: 1 + index in string.printable
+    assert TOK.encode("abcde\n") == [a, b, c, d, e, nl]
+    assert ev.wiki_windows(TOK, ["ab", "", "c\n", "de"], 4) == [[0, a, b, 0], [0, c, nl, 0]]
+    with pytest.raises(ValueError, match="fewer than one window"):
+        ev.wiki_windows(TOK, ["ab"], 4)
 
 
-def test_load_text_parquet_rows_joined_and_raw_text(tmp_path):
-    pq.write_table(pa.table({"text": ["", " = Title = \n", "", " Body line .\n"]}), tmp_path / "w.parquet")
-    assert ev.load_text(str(tmp_path / "w.parquet")) == " = Title = \n Body line .\n"
-    (tmp_path / "w.txt").write_text("raw\ntext\n")
-    assert ev.load_text(str(tmp_path / "w.txt")) == "raw\ntext\n"
+@torch.no_grad()
+def test_perplexity_is_exp_mean_nll_of_the_windows():
+    model = randomize_(tiny_gpt(seq_len=8))
+    rows = ["", " = Title = \n", "", " Some <unk> text , with 2 @-@ 3 tokens .\n", "", " More text here .\n"]
+    stream = [t for row in rows for t in [0] + TOK.encode(row)]
+    windows = torch.tensor([stream[i:i + 9] for i in range(0, len(stream) - 8, 9)])
+    assert len(stream) % 9 > 0 and windows.shape[0] == len(stream) // 9  # a remainder is dropped
+    ppl = ev.evaluate_ppl(model, TOK, rows, [1, 3], batch_size=2)
+    for K in (1, 3):
+        nll = F.cross_entropy(model(windows[:, :-1], loops=K).flatten(0, 1), windows[:, 1:].flatten())
+        assert ppl[K] == pytest.approx(math.exp(nll.item()), rel=1e-5)
+
+
+def test_load_rows_parquet_and_tokens_file(tmp_path):
+    rows = ["", " = Title = \n", "", " Body <unk> line .\n"]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "w.parquet")
+    assert ev.load_rows(str(tmp_path / "w.parquet")) == rows
+    (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n Body <unk> line .\n")  # blank lines hold a space
+    assert ev.load_rows(str(tmp_path / "wiki.test.tokens")) == rows
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="no 'text' column"):
-        ev.load_text(str(tmp_path / "bad.parquet"))
+        ev.load_rows(str(tmp_path / "bad.parquet"))
 
 
 # ----------------------------------------------------------------------------- the one-pass sweep
@@ -455,24 +675,30 @@ def test_table_layout_and_missing_columns():
         "| 9 |  | 0.892 |  |  | 70.00 |  |  |  |  |  |\n")
 
 
-def test_cli_end_to_end(tmp_path):
-    """A saved checkpoint (real BPE tokenizer) through every mode: the JSON and markdown agree
-    with the functions called directly."""
+def save_checkpoint(tmp_path, **settings):
+    """A tiny saved run (real BPE tokenizer) and a validation shard: (model, tokenizer, step dir)."""
     tok = bpe_tokenizer(tmp_path)
     model = randomize_(tiny_gpt(seq_len=64, loops=2, vocab_size=tok.vocab_size))
     step = tmp_path / "run" / "step_000010"
     step.mkdir(parents=True)
-    torch.save(model_state(model, step=10, settings={"dataset": "embedded"}), step / "model.pt")
+    torch.save(model_state(model, step=10, settings={"dataset": "embedded", **settings}), step / "model.pt")
     tok.save(str(step / "tokenizer.json"))
     pq.write_table(pa.table({"text": ["Some validation text. " * 30] * 4}), tmp_path / "val.parquet")
-    (tmp_path / "wiki.txt").write_text(" = Title = \n The opposite of hot is cold .\n" * 10)
+    return model, tok, step
+
+
+def test_cli_end_to_end(tmp_path):
+    """A saved checkpoint through every mode: the JSON and markdown agree with the functions
+    called directly."""
+    model, tok, step = save_checkpoint(tmp_path)
+    (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n The opposite of hot is cold .\n" * 10)
     bundle = make_bundle(tmp_path / "bundle")
     results = ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=2,1", "--batch_size=4", "--bpb_tokens=512",
-                       f"--val_files={tmp_path / 'val.parquet'}", f"--wiki_path={tmp_path / 'wiki.txt'}",
+                       f"--val_files={tmp_path / 'val.parquet'}", f"--wiki_path={tmp_path / 'wiki.test.tokens'}",
                        f"--bundle_dir={bundle}", "--sample_tokens=3", f"--data_dir={tmp_path / 'nodata'}"])
     saved = json.loads((step / "eval.json").read_text())
     assert saved["step"] == 10 and list(saved["results"]) == ["1", "2"]
-    ppl = ev.evaluate_ppl(model, tok, (tmp_path / "wiki.txt").read_text(), [1, 2], 4)
+    ppl = ev.evaluate_ppl(model, tok, ev.load_rows(str(tmp_path / "wiki.test.tokens")), [1, 2], 4)
     core = ev.evaluate_core(model, tok, ev.load_bundle(bundle), [1, 2], 4, log=lambda *a: None)
     for K in (1, 2):
         r = saved["results"][str(K)]
@@ -481,6 +707,48 @@ def test_cli_end_to_end(tmp_path):
         assert r["samples"][0].startswith(ev.SAMPLE_PROMPTS[0])
     assert (step / "eval.md").read_text() == saved["table"] == ev.table(results)
     assert not (tmp_path / "nodata").exists()  # every input was local
+
+
+def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
+    """bpb succeeds, then wiki cannot download (a closed port): eval.json holds val_bpb, the run
+    exits non-zero, and stderr says how to point at a local file. (data.download retries a refused
+    connection with back-off: this test waits about 15 s.)"""
+    _, _, step = save_checkpoint(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the socket is
+    args = [str(tmp_path / "run"), "--device=cpu", "--loops=1", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
+            f"--data_dir={tmp_path / 'data'}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "eval.py"), *args, "--modes=bpb,wiki,core",
+                           f"--wiki_url=http://127.0.0.1:{port}/test.parquet"], cwd=root, capture_output=True, text=True,
+                          env=os.environ | {"NO_PROXY": "127.0.0.1", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode != 0 and "--wiki_path" in proc.stderr and "--bundle_dir" in proc.stderr
+    saved = json.loads((step / "eval.json").read_text())["results"]["1"]
+    assert set(saved) == {"val_bpb"}  # wiki failed and core never ran
+    assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "tokenizer.json"]  # no temp file left
+    alone = ev.main(args + ["--modes=bpb", f"--out={tmp_path / 'bpb.json'}"])
+    assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("settings, kwargs", [({}, {}), ({"bos_token": data.BOS}, {}),
+                                              ({"bos_token": "<|bos|>"}, {"bos": "<|bos|>"})])
+def test_tokenizer_loaded_with_the_checkpoint_bos_token(tmp_path, monkeypatch, settings, kwargs):
+    """bos= is passed only for a document token other than data.BOS (data.py's keyword is new)."""
+    save_checkpoint(tmp_path, **settings)
+    calls = []
+
+    def load_tokenizer(path, **kw):
+        calls.append(kw)
+        raise Stop
+    monkeypatch.setattr(data, "load_tokenizer", load_tokenizer)
+    with pytest.raises(Stop):
+        ev.main([str(tmp_path / "run"), "--device=cpu"])
+    assert calls == [kwargs]
 
 
 # ----------------------------------------------------------------------------- torchrun
@@ -494,7 +762,7 @@ def _worker(rank, world, port, bundle, out_dir):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
     result = {"bpb": ev.evaluate_bpb(model, batches[rank::world], TOK.token_bytes(), [1, 3]),
-              "ppl": ev.evaluate_ppl(model, TOK, "hello world, " * 20, [1, 3], 2),
+              "ppl": ev.evaluate_ppl(model, TOK, ["hello world, " * 20], [1, 3], 2),
               "core": ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -514,7 +782,7 @@ def test_distributed_shares_match_one_process(tmp_path):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
     bpb = ev.evaluate_bpb(model, batches, TOK.token_bytes(), [1, 3])
-    ppl = ev.evaluate_ppl(model, TOK, "hello world, " * 20, [1, 3], 2)
+    ppl = ev.evaluate_ppl(model, TOK, ["hello world, " * 20], [1, 3], 2)
     core = ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
     for K in (1, 3):
         assert r0["bpb"][str(K)] == pytest.approx(bpb[K], rel=1e-5)
