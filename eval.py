@@ -69,7 +69,7 @@ import yaml
 
 import data
 from configurator import configure, settings_of
-from model import load_model
+from checkpoint import load_model
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample
@@ -442,7 +442,7 @@ def main(argv):
         if rank == 0:
             print(*args, **kwargs, flush=True)
 
-    model, meta = load_model(ckpt, dev)
+    model, meta = load_model(ckpt, dev, log=print0)  # the newest readable checkpoint, saying so
     model.eval()
     settings = meta.get("settings", {})
     # the run's document token (train.py's bos_token); bos= only when it is not the default, so a

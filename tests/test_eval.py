@@ -33,7 +33,8 @@ import tokenizers
 
 import data
 import eval as ev
-from model import GPT, GPTConfig, model_state
+import checkpoint
+from model import GPT, GPTConfig
 
 
 class CharTokenizer:
@@ -679,10 +680,9 @@ def save_checkpoint(tmp_path, **settings):
     """A tiny saved run (real BPE tokenizer) and a validation shard: (model, tokenizer, step dir)."""
     tok = bpe_tokenizer(tmp_path)
     model = randomize_(tiny_gpt(seq_len=64, loops=2, vocab_size=tok.vocab_size))
-    step = tmp_path / "run" / "step_000010"
-    step.mkdir(parents=True)
-    torch.save(model_state(model, step=10, settings={"dataset": "embedded", **settings}), step / "model.pt")
-    tok.save(str(step / "tokenizer.json"))
+    step = checkpoint.save(str(tmp_path / "run"), 10, model, {"world_size": 1},
+                           settings={"dataset": "embedded", **settings}, files={"tokenizer.json": tok.save})
+    step = type(tmp_path)(step)
     pq.write_table(pa.table({"text": ["Some validation text. " * 30] * 4}), tmp_path / "val.parquet")
     return model, tok, step
 
@@ -726,7 +726,7 @@ def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
     assert proc.returncode != 0 and "--wiki_path" in proc.stderr and "--bundle_dir" in proc.stderr
     saved = json.loads((step / "eval.json").read_text())["results"]["1"]
     assert set(saved) == {"val_bpb"}  # wiki failed and core never ran
-    assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "tokenizer.json"]  # no temp file left
+    assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "rank0.pt", "tokenizer.json"]  # no temp file
     alone = ev.main(args + ["--modes=bpb", f"--out={tmp_path / 'bpb.json'}"])
     assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
 
