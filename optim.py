@@ -1,48 +1,34 @@
 """
-Optimizers for the Fully Looped Transformer (SPEC section 6).
+Optimizers for the Fully Looped Transformer (SPEC section 6): Muon for every 2-D matrix
+inside the blocks; AdamW for the token embedding and the LM head, a lookup table and a
+classifier rather than maps between hidden states, so orthogonalising their updates
+makes no sense. `build_optimizers(model)` splits the parameters by name into
+[adamw, muon]; the training loop sets `group['lr']` from `group['initial_lr']` (and
+Muon's `group['momentum']` warm-up) every step.
 
-Two optimizers split the parameters by role:
-- Muon for every 2-D matrix inside the blocks (attention and MLP weights);
-- AdamW for the token embedding and the LM head, which are lookup tables and
-  a classifier rather than linear maps between hidden states, so orthogonalising
-  their updates makes no sense.
-`build_optimizers(model)` does the split by parameter name and returns
-[adamw, muon]; the training loop sets `group['lr']` from `group['initial_lr']`
-(and Muon's `group['momentum']` warm-up) every step.
+The contract: the optimizers own the gradient reduction (no DDP), with the same calls
+for one process and for torchrun. Every step:
+  1. backward on each micro-batch: p.grad is this rank's own gradient, summed over
+     the micro-steps and not averaged over ranks.
+  2. norms = reduce_gradients(optimizers) averages every gradient over the ranks and
+     returns {parameter: squared L2 norm of its averaged gradient} (Python floats,
+     equal on every rank), so clipping and the per-module diagnostics see the
+     averaged gradient, as under DDP.
+  3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged
+     gradient (c = the clip coefficient, 1.0 = none); all ranks end with the same
+     parameters. It consumes the gradients (in one process it scales them in place):
+     zero them next. step() without reduce_gradients() first reduces by itself.
+Traffic, for P parameter elements: a reduce-scatter (average) of the gradients into the
+pieces each rank updates and an all-gather of the updated pieces, 2P elements of
+collective buffers (DDP: 3P, an all-reduce and then sharing the updates), and an
+all_reduce of one number per parameter tensor for the norms. In one process
+world_size is 1 and every collective is skipped. reduce_scatter_single and
+all_gather_single (torch 2.13's names for reduce_scatter_tensor and
+all_gather_into_tensor) run on gloo as on NCCL, so the CPU tests run NCCL's path.
 
-The contract: the optimizers own the gradient reduction; there is no DDP. The same
-calls serve one process and torchrun, every step:
-  1. backward on each micro-batch: p.grad is this rank's local gradient (summed over
-     micro-steps), never averaged over ranks by anyone else.
-  2. norms = reduce_gradients(optimizers): averages every gradient over the ranks and
-     returns {parameter: squared L2 norm of its averaged gradient} as Python floats,
-     the same on every rank. Clipping and the per-module diagnostics use these, so
-     they see the averaged gradient, as under DDP.
-  3. opt.step(grad_scale=c) for each optimizer: the update with c times the averaged
-     gradient (c = the clip coefficient; 1.0 = no clipping); every rank ends with the
-     same parameters. The gradients are consumed (in one process they are scaled in
-     place), so zero them next. A step() without reduce_gradients() reduces by itself.
-Communication, for a model of P parameter elements: a reduce-scatter of the gradients
-(ReduceOp.AVG) and an all-gather of the updated parameters, 2P elements of collective
-buffers (DDP's all-reduce alone is 2P, plus P to share the updates), and one all_reduce
-of a vector holding one number per parameter tensor for the norms:
-- AdamW (ZeRO-2): every parameter is viewed flat, zero-padded to world_size equal
-  slices; rank r receives the averaged slice r, keeps exp_avg / exp_avg_sq for slice r
-  only, updates it, and the ranks all-gather the slices.
-- Muon: the same-shape matrices of a param group go world_size at a time (in order),
-  the i-th of such a block belongs to rank i. A reduce-scatter of the stacked block
-  hands every owner its averaged gradient (a short last block is padded with zero
-  matrices, whose traffic is wasted); the owner keeps the momentum buffer and runs
-  Newton-Schulz; an all-gather of the block brings the new matrices to every rank.
-In one process world_size is 1 and every collective is skipped: the slice is the whole
-parameter, the owner of every matrix is rank 0. The collectives are the tensor forms
-reduce_scatter_single / all_gather_single (torch 2.13's names for reduce_scatter_tensor /
-all_gather_into_tensor); gloo supports them and AVG too, so CPU tests run NCCL's path.
-
-Saving and resuming: state_dict()/load_state_dict() per rank (each holds different
-slices or matrices), so save one file per rank. The state dict holds only tensors,
-numbers and strings (torch.load(weights_only=True) reads it) and records world_size
-and rank; loading it into another world size or rank raises ValueError.
+The state is per rank (its own slices or matrices): save one state_dict() per rank.
+It holds only tensors, numbers and strings (torch.load(weights_only=True) reads it)
+and records world_size and rank; loading it elsewhere raises ValueError.
 """
 
 import math
@@ -61,9 +47,8 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
     coefficients (3.4445, -4.7750, 2.0315) make p very steep near 0, so five steps
     push every singular value in (0, 1] into roughly [0.7, 1.2] rather than exactly
     1, which is good enough for an update direction and much cheaper than an SVD.
-    `dtype` is the working precision; None = bf16 on CUDA (the iteration is robust to
-    low precision and tensor cores are fast at it), float32 elsewhere (CPU bf16 matmuls
-    are slow and tests want accuracy).
+    `dtype`: the working precision; None = bf16 on CUDA (robust enough, and fast on
+    tensor cores), float32 elsewhere (CPU bf16 matmuls are slow; tests want accuracy).
     """
     a, b, c = (3.4445, -4.7750, 2.0315)
     X = G.to(dtype or (torch.bfloat16 if G.is_cuda else torch.float32))
@@ -93,25 +78,11 @@ def muon_update(grad, momentum_buffer, momentum, ns_dtype=None):
     return update * max(1.0, grad.size(0) / grad.size(1)) ** 0.5
 
 
-# Padding for the collectives, which need equal pieces; both are views (no copy) in one process.
-def _stack_padded(tensors, rows):
-    """The tensors stacked into `rows` rows, the missing ones zero."""
-    if len(tensors) == rows == 1:
-        return tensors[0][None]
-    return torch.stack(tensors + [torch.zeros_like(tensors[0])] * (rows - len(tensors)))
-
-
-def _flat_padded(t, numel):
-    """t flattened and zero-padded to numel elements."""
-    return t.view(-1) if t.numel() == numel else F.pad(t.view(-1), (0, numel - t.numel()))
-
-
 class _Sharded(torch.optim.Optimizer):
     """
-    Base of AdamW and Muon: the reduce-scatter / update / all-gather cycle of the module
-    docstring, and a state dict tied to (world_size, rank). A subclass reduce-scatters
-    the gradients into the pieces its rank updates (_reduce_scatter_grads), then updates
-    them and all-gathers the results (_update).
+    Base of AdamW and Muon: the cycle of the module docstring and a state dict tied to
+    (world_size, rank). A subclass reduce-scatters the gradients into the pieces this
+    rank updates (_reduce_scatter_grads), updates them and all-gathers them (_update).
     """
 
     def __init__(self, params, defaults, distributed):
@@ -121,36 +92,35 @@ class _Sharded(torch.optim.Optimizer):
                              "(dist.init_process_group under torchrun)")
         self.world_size, self.rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
         self._reduced = None  # {param: this rank's piece of its averaged gradient}, until step()
-        self._pending = []    # async reduce-scatters; then (all-gather, rows, destinations)
+        self._pending = []    # async reduce-scatters; then (all-gather, its output, params)
 
     def _params(self):
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _reduce_scatter(self, full):
-        """`full` has one row per rank; returns (soon) this rank's row averaged over ranks."""
+    # The collectives move equal flat pieces of `size` elements, one per rank, so both
+    # zero-pad. Flat, because gloo takes only the concatenated form (NCCL also stacks).
+    def _reduce_scatter(self, tensors, size):
+        """The tensors run together in world_size pieces: piece `rank` averaged (soon), flat."""
         if self.world_size == 1:
-            return full[0]
-        mine = full.new_empty(full.shape[1:])
-        # Flat views: gloo takes only the concatenated form (NCCL also the stacked one).
-        self._pending.append(dist.reduce_scatter_single(
-            mine.view(-1), full.view(-1), op=dist.ReduceOp.AVG, async_op=True))
+            return tensors[0].view(-1)  # the whole gradient, no copy
+        padding = tensors[0].new_zeros(self.world_size * size - sum(t.numel() for t in tensors))
+        full = torch.cat([t.view(-1) for t in tensors] + [padding])
+        mine = full.new_empty(size)
+        self._pending.append(dist.reduce_scatter_single(mine, full, op=dist.ReduceOp.AVG,
+                                                        async_op=True))
         return mine
 
-    def _all_gather(self, mine, params):
-        """Every rank's `mine`, in rank order, copied into the params (at the end of step())."""
+    def _all_gather(self, mine, params, size):
+        """Every rank's `mine`, run together in rank order, into the params at the end of step()."""
         if self.world_size > 1:
-            full = mine.new_empty((self.world_size, *mine.shape))
-            work = dist.all_gather_single(full.view(-1), mine.view(-1), async_op=True)
-            self._pending.append((work, full, params))
+            full = mine.new_empty(self.world_size * size)
+            mine = F.pad(mine.view(-1), (0, size - mine.numel()))
+            self._pending.append((dist.all_gather_single(full, mine, async_op=True), full, params))
 
     @torch.no_grad()
     def reduce_grads(self):
         """Start averaging the gradients over the ranks (once per step)."""
         if self._reduced is None:
-            if any(p.grad is None for p in self._params()):
-                # Every rank must join every collective, so no gradient may be skipped.
-                raise RuntimeError("a parameter has no gradient: shapes " + str(
-                    [tuple(p.shape) for p in self._params() if p.grad is None]))
             self._reduced = self._reduce_scatter_grads()
 
     def _averaged(self):
@@ -174,8 +144,7 @@ class _Sharded(torch.optim.Optimizer):
         self._update(reduced)
         for work, full, params in self._pending:
             work.wait()
-            # Row r (or, for a flat parameter, the rows run together) holds rank r's piece.
-            for p, new in zip(params, full.view(-1).split(params[0].numel())):
+            for p, new in zip(params, full.split(params[0].numel())):
                 p.copy_(new.view_as(p))
         self._pending = []
 
@@ -185,10 +154,9 @@ class _Sharded(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         saved = (state_dict.get("world_size"), state_dict.get("rank"))
         if saved != (self.world_size, self.rank):
-            raise ValueError(
-                f"optimizer state was saved with (world_size, rank) = {saved}, but this "
-                f"process is {(self.world_size, self.rank)}; the optimizers keep per-rank "
-                "state, so resume with the same world size and load each rank's own file")
+            raise ValueError(f"optimizer state was saved with (world_size, rank) = {saved}, but "
+                             f"this process is {(self.world_size, self.rank)}; resume with the "
+                             "same world size and load each rank's own file")
         state_dict = {k: v for k, v in state_dict.items() if k not in ("world_size", "rank")}
         super().load_state_dict(state_dict)
 
@@ -197,24 +165,23 @@ class Muon(_Sharded):
     """
     Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
 
-    For a weight matrix W, plain SGD with momentum steps along the momentum M, whose
-    spectrum is dominated by a few large singular directions: most of the step goes
-    into directions that are already being learned. Muon keeps the direction
-    information but flattens the spectrum: it replaces M = U S V^T by U V^T, so every
-    singular direction moves by the same amount. Computing U V^T exactly needs an SVD;
-    a few Newton-Schulz steps (zeropower_via_newtonschulz5) get close enough in a
-    handful of matmuls, in bf16 on GPU (ns_dtype overrides the precision).
+    SGD with momentum steps along the momentum M, whose spectrum is dominated by a few
+    large singular directions, already being learned. Muon flattens the spectrum: it
+    replaces M = U S V^T by U V^T, so every singular direction moves by the same
+    amount, approximated by a few Newton-Schulz steps (zeropower_via_newtonschulz5)
+    instead of an SVD, in bf16 on GPU (ns_dtype overrides the precision).
 
     Per step, for each matrix p with averaged gradient g:
         buf <- momentum * buf + g                   (SGD momentum)
         u   <- NS5(g + momentum * buf)              (Nesterov, then orthogonalise)
         p   <- p - lr * sqrt(max(1, rows/cols)) * u
 
-    Only for 2-D parameters (the block matrices); embeddings, the LM head and any
-    vector go to AdamW. `momentum` is read from each param group at every step, so
-    the training loop can warm it up (0.85 -> 0.95 in the paper). Distributed, each
-    matrix is updated by its owner only (module docstring), who alone keeps its buffer
-    and pays for its Newton-Schulz: work and state are split ~1/world_size per rank.
+    Only for 2-D parameters; `momentum` is read from the param group at every step, so
+    the training loop can warm it up (0.85 -> 0.95 in the paper). Distributed, a group's
+    same-shape matrices go world_size at a time, rank i owning the i-th of such a block:
+    a reduce-scatter of the stacked block hands it its averaged gradient (a short block
+    is padded with zero matrices, wasted traffic), it alone keeps its momentum and runs
+    Newton-Schulz, and an all-gather of the block shares the new matrices.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, ns_dtype=None, distributed=False):
@@ -226,48 +193,44 @@ class Muon(_Sharded):
         self.ns_dtype = ns_dtype
 
     def _blocks(self):
-        """(group, block): a group's same-shape matrices, world_size at a time; rank i owns block[i]."""
+        """(group, block, this rank's matrix in it or None), blocks as in the docstring."""
         for group in self.param_groups:
             for shape in dict.fromkeys(p.shape for p in group["params"]):  # first-seen order
                 same = [p for p in group["params"] if p.shape == shape]
                 for i in range(0, len(same), self.world_size):
-                    yield group, same[i:i + self.world_size]
+                    block = same[i:i + self.world_size]
+                    yield group, block, block[self.rank] if self.rank < len(block) else None
 
     def _reduce_scatter_grads(self):
         reduced = {}
-        for _, block in self._blocks():
-            grad = self._reduce_scatter(_stack_padded([p.grad for p in block], self.world_size))
-            if self.rank < len(block):
-                reduced[block[self.rank]] = grad
+        for _, block, p in self._blocks():
+            grad = self._reduce_scatter([q.grad for q in block], block[0].numel())
+            if p is not None:
+                reduced[p] = grad.view_as(p)
         return reduced
 
     def _update(self, reduced):
-        for group, block in self._blocks():
-            if self.rank < len(block):
-                p = block[self.rank]
+        for group, block, p in self._blocks():
+            if p is not None:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 update = muon_update(reduced[p], state["momentum_buffer"], group["momentum"],
                                      self.ns_dtype)
                 p.add_(update, alpha=-group["lr"])
-                self._all_gather(p, block)
-            else:  # a short block: this rank sends a zero matrix
-                self._all_gather(torch.zeros_like(block[0]), block)
+            # In a short block, a rank without a matrix sends only padding (zeros).
+            self._all_gather(block[0].new_empty(0) if p is None else p, block, block[0].numel())
 
 
 class AdamW(_Sharded):
     """
     AdamW with ZeRO-2 sharding: state and gradient split over the ranks.
 
-    Adam keeps two moment tensors per parameter, twice the model's size. Since the
-    update is elementwise, rank r can update just its slice of every parameter: view
-    the parameter flat, cut it into world_size equal slices of ceil(numel/world_size)
-    elements (the tail of the last slices is padding, and for tiny tensors some slices
-    are empty), receive that slice of the averaged gradient, keep exp_avg / exp_avg_sq
-    for it only, update it, and all-gather the slices. The arithmetic is exactly
-    torch.optim.AdamW's (decoupled weight decay, bias correction), so the result
-    matches it to float rounding.
+    The update is elementwise, so rank r can update just its slice of each parameter:
+    viewed flat and cut into world_size slices of ceil(numel / world_size) elements
+    (zero-padded at the end), rank r receives slice r of the averaged gradient, keeps
+    exp_avg / exp_avg_sq for it only, updates it, and all-gathers the slices. The
+    arithmetic is exactly torch.optim.AdamW's (decoupled weight decay, bias correction).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -281,12 +244,7 @@ class AdamW(_Sharded):
         return shard, lo, min(lo + shard, p.numel())
 
     def _reduce_scatter_grads(self):
-        reduced = {}
-        for p in self._params():
-            shard, _, _ = self._shard_bounds(p)
-            flat = _flat_padded(p.grad, shard * self.world_size)
-            reduced[p] = self._reduce_scatter(flat.view(self.world_size, shard))
-        return reduced
+        return {p: self._reduce_scatter([p.grad], self._shard_bounds(p)[0]) for p in self._params()}
 
     def _update(self, reduced):
         for group in self.param_groups:
@@ -308,15 +266,12 @@ class AdamW(_Sharded):
                 step_size = lr / (1 - beta1 ** step)
                 denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
                 param.addcdiv_(exp_avg, denom, value=-step_size)
-                self._all_gather(_flat_padded(param, shard), [p])
+                self._all_gather(param, [p], shard)
 
 
 @torch.no_grad()
 def reduce_gradients(optimizers):
-    """
-    Average the gradients over the ranks (step 2 of the module docstring's contract) and
-    return {parameter: squared L2 norm of its averaged gradient}, as floats, on every rank.
-    """
+    """Average the gradients over the ranks; {parameter: squared L2 norm of its average}."""
     for opt in optimizers:
         opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
     shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}
@@ -333,12 +288,11 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
       transformer.wte.weight  -> AdamW, lr embedding_lr * sqrt(768 / d_model)
       lm_head.weight          -> AdamW, lr unembedding_lr * sqrt(768 / d_model)
       transformer.h.*         -> Muon,  lr matrix_lr (all 2-D, no biases or norm gains)
-    AdamW uses betas (0.8, 0.95), eps 1e-10 and no weight decay; Muon's Newton-Schulz
-    runs in ns_dtype (None = bf16 on CUDA, float32 elsewhere). `model` has
-    `model.config.n_embd`. Every parameter must land in exactly one group; anything
-    else raises ValueError naming it. Each param group gets `initial_lr`, the base of
-    the training loop's schedule. distributed=True (torch.distributed initialised)
-    shards both optimizers over the ranks; the model is not wrapped in DDP.
+    AdamW: betas (0.8, 0.95), eps 1e-10, no weight decay; Muon's Newton-Schulz runs in
+    ns_dtype (None = bf16 on CUDA, float32 elsewhere). Every parameter must land in
+    exactly one group, else ValueError naming it. Each param group gets `initial_lr`,
+    the base of the schedule. distributed=True (torch.distributed initialised) shards
+    both optimizers over the ranks; the model is not wrapped in DDP.
     """
     # The AdamW learning rates were tuned at d_model = 768; scale like 1/sqrt(width).
     scale = (768 / model.config.n_embd) ** 0.5
