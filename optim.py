@@ -8,8 +8,7 @@ Muon's `group['momentum']` warm-up) every step.
 
 The contract: the optimizers own the gradient reduction (no DDP), with the same calls
 for one process and for torchrun. Every step:
-  1. backward on each micro-batch: p.grad is this rank's own gradient, summed over
-     the micro-steps and not averaged over ranks.
+  1. backward on each micro-batch: p.grad is this rank's own, un-averaged gradient.
   2. norms = reduce_gradients(optimizers) averages every gradient over the ranks and
      returns {parameter: squared L2 norm of its averaged gradient} (Python floats,
      equal on every rank), so clipping and the per-module diagnostics see the
@@ -18,13 +17,12 @@ for one process and for torchrun. Every step:
      gradient (c = the clip coefficient, 1.0 = none); all ranks end with the same
      parameters. It consumes the gradients (in one process it scales them in place):
      zero them next. step() without reduce_gradients() first reduces by itself.
-Traffic, for P parameter elements: a reduce-scatter (average) of the gradients into the
-pieces each rank updates and an all-gather of the updated pieces, 2P elements of
-collective buffers (DDP: 3P, an all-reduce and then sharing the updates), and an
-all_reduce of one number per parameter tensor for the norms. In one process
-world_size is 1 and every collective is skipped. reduce_scatter_single and
-all_gather_single (torch 2.13's names for reduce_scatter_tensor and
-all_gather_into_tensor) run on gloo as on NCCL, so the CPU tests run NCCL's path.
+Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the
+pieces each rank updates, an all-gather of the updated pieces: 2P elements of buffers
+(DDP: 3P, an all-reduce, then sharing the updates), plus an all_reduce of one number
+per parameter tensor for the norms. In one process every collective is skipped. gloo
+runs reduce_scatter_single / all_gather_single (torch 2.13's names for
+reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
 
 The state is per rank (its own slices or matrices): save one state_dict() per rank.
 It holds only tensors, numbers and strings (torch.load(weights_only=True) reads it)
@@ -79,11 +77,9 @@ def muon_update(grad, momentum_buffer, momentum, ns_dtype=None):
 
 
 class _Sharded(torch.optim.Optimizer):
-    """
-    Base of AdamW and Muon: the cycle of the module docstring and a state dict tied to
-    (world_size, rank). A subclass reduce-scatters the gradients into the pieces this
-    rank updates (_reduce_scatter_grads), updates them and all-gathers them (_update).
-    """
+    """The module docstring's cycle, and a state dict tied to (world_size, rank). Subclasses
+    reduce-scatter the gradients into the pieces this rank updates (_reduce_scatter_grads),
+    then update those and all-gather them (_update)."""
 
     def __init__(self, params, defaults, distributed):
         super().__init__(params, defaults)
@@ -185,9 +181,6 @@ class Muon(_Sharded):
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, ns_dtype=None, distributed=False):
-        if ns_dtype not in (None, torch.float32, torch.bfloat16):
-            raise ValueError(f"ns_dtype={ns_dtype!r}: expected None (bf16 on CUDA, float32 "
-                             "elsewhere), torch.float32 or torch.bfloat16")
         super().__init__(params, dict(lr=lr, momentum=momentum), distributed)
         # An attribute, not a group setting, so the state dict stays plain numbers.
         self.ns_dtype = ns_dtype
