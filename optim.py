@@ -1,44 +1,42 @@
 """
-Optimizers for the Fully Looped Transformer (SPEC section 6).
+Optimizers for the Fully Looped Transformer (SPEC section 6): Muon for every 2-D matrix
+inside the blocks; AdamW for the token embedding and the LM head, a lookup table and a
+classifier rather than maps between hidden states, so orthogonalising their updates
+makes no sense. `build_optimizers(model)` splits the parameters by name into
+[adamw, muon]; the training loop sets `group['lr']` from `group['initial_lr']` (and
+Muon's `group['momentum']` warm-up) every step.
 
-Two optimizers split the parameters by role:
-- Muon for every 2-D matrix inside the blocks (attention and MLP weights);
-- AdamW for the token embedding and the LM head, which are lookup tables and
-  a classifier rather than linear maps between hidden states, so orthogonalising
-  their updates makes no sense.
-`build_optimizers(model)` does the split by parameter name and returns
-[adamw, muon]; the training loop steps both and sets `group['lr']` from
-`group['initial_lr']` (and Muon's `group['momentum']` warm-up) every step.
+The contract: the optimizers own the gradient reduction (no DDP), with the same calls
+for one process and for torchrun. Every step:
+  1. backward on each micro-batch: p.grad is this rank's own, un-averaged gradient.
+  2. norms = reduce_gradients(optimizers) averages every gradient over the ranks and
+     returns {parameter: squared L2 norm of its averaged gradient} (Python floats,
+     equal on every rank), so clipping and the per-module diagnostics see the
+     averaged gradient, as under DDP.
+  3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged
+     gradient (c = the clip coefficient, 1.0 = none); all ranks end with the same
+     parameters. It consumes the gradients (in one process it scales them in place):
+     zero them next. step() without reduce_gradients() first reduces by itself.
+Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the
+pieces each rank updates, an all-gather of the updated pieces: 2P elements of buffers
+(DDP: 3P, an all-reduce, then sharing the updates), plus an all_reduce of one number
+per parameter tensor for the norms. In one process every collective is skipped. gloo
+runs reduce_scatter_single / all_gather_single (torch 2.13's names for
+reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
 
-Distributed training (torchrun). The contract: DDP averages, optimizers don't.
-train.py wraps the model in DistributedDataParallel, so after backward every rank
-already holds the same, averaged gradient (gradient clipping and the per-module
-gradient diagnostics see it too). The distributed optimizers below therefore never
-reduce gradients; they only split the *work and state* of the update and then
-share the updated parameters so every rank ends the step with identical weights:
-- DistAdamW (ZeRO-style state sharding): every parameter is viewed flat and cut
-  into world_size equal slices (the last ones padded, some possibly empty); rank r
-  updates only slice r and keeps exp_avg / exp_avg_sq for that slice only, then
-  all ranks all-gather the updated slices.
-- DistMuon: each matrix has one owner, rank = index % world_size over the
-  parameters in group order (the same on every rank). The owner keeps the momentum
-  buffer and runs Newton-Schulz; then it broadcasts the new matrix to the others.
-Both use only all_gather (list form) and broadcast on gloo, so they also run on
-CPU; on NCCL DistAdamW uses the faster all_gather_into_tensor.
-
-Saving and resuming: every optimizer has the usual state_dict()/load_state_dict().
-For the distributed ones the state is per rank (each holds different slices or
-matrices), so save one file per rank. Their state dict records world_size and rank;
-loading it into another world size or rank raises ValueError.
+The state is per rank (its own slices or matrices): save one state_dict() per rank.
+It holds only tensors, numbers and strings (torch.load(weights_only=True) reads it)
+and records world_size and rank; loading it elsewhere raises ValueError.
 """
 
 import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
-def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7):
+def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
     """
     Approximately replace G = U S V^T by U V^T (the nearest semi-orthogonal matrix).
 
@@ -47,11 +45,11 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7):
     coefficients (3.4445, -4.7750, 2.0315) make p very steep near 0, so five steps
     push every singular value in (0, 1] into roughly [0.7, 1.2] rather than exactly
     1, which is good enough for an update direction and much cheaper than an SVD.
+    `dtype`: the working precision; None = bf16 on CUDA (robust enough, and fast on
+    tensor cores), float32 elsewhere (CPU bf16 matmuls are slow; tests want accuracy).
     """
     a, b, c = (3.4445, -4.7750, 2.0315)
-    # bf16 on CUDA (the iteration is robust to low precision and tensor cores are
-    # fast at it); float32 on CPU, where bf16 matmuls are slow and tests want accuracy.
-    X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
+    X = G.to(dtype or (torch.bfloat16 if G.is_cuda else torch.float32))
     # Work with the wide orientation so the Gram matrix XX^T is the small side.
     transposed = X.size(0) > X.size(1)
     if transposed:
@@ -68,59 +66,83 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7):
     return X.to(G.dtype)
 
 
-def muon_update(grad, momentum_buffer, momentum):
+def muon_update(grad, momentum_buffer, momentum, ns_dtype=None):
     """One Muon update direction for a matrix; advances momentum_buffer in place."""
     momentum_buffer.mul_(momentum).add_(grad)
     nesterov = grad.add(momentum_buffer, alpha=momentum)
-    update = zeropower_via_newtonschulz5(nesterov)
+    update = zeropower_via_newtonschulz5(nesterov, dtype=ns_dtype)
     # An orthogonal update has unit singular values whatever the shape; for tall
     # matrices (rows > cols) scale it up so its per-element size matches square ones.
     return update * max(1.0, grad.size(0) / grad.size(1)) ** 0.5
 
 
-class Muon(torch.optim.Optimizer):
-    """
-    Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
+class _Sharded(torch.optim.Optimizer):
+    """The module docstring's cycle, and a state dict tied to (world_size, rank). Subclasses
+    reduce-scatter the gradients into the pieces this rank updates (_reduce_scatter_grads),
+    then update those and all-gather them (_update)."""
 
-    For a weight matrix W, plain SGD with momentum steps along the momentum M, whose
-    spectrum is dominated by a few large singular directions: most of the step goes
-    into directions that are already being learned. Muon keeps the direction
-    information but flattens the spectrum: it replaces M = U S V^T by U V^T, so every
-    singular direction moves by the same amount. Computing U V^T exactly needs an SVD;
-    a few Newton-Schulz steps (zeropower_via_newtonschulz5) get close enough in a
-    handful of matmuls, in bf16 on GPU.
+    def __init__(self, params, defaults, distributed):
+        super().__init__(params, defaults)
+        if distributed and not dist.is_initialized():
+            raise ValueError("distributed=True needs torch.distributed to be initialised first "
+                             "(dist.init_process_group under torchrun)")
+        self.world_size, self.rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        self._reduced = None  # {param: this rank's piece of its averaged gradient}, until step()
+        self._pending = []    # async reduce-scatters; then (all-gather, its output, params)
 
-    Per step, for each matrix p with gradient g:
-        buf <- momentum * buf + g                   (SGD momentum)
-        u   <- NS5(g + momentum * buf)              (Nesterov, then orthogonalise)
-        p   <- p - lr * sqrt(max(1, rows/cols)) * u
+    def _params(self):
+        return [p for group in self.param_groups for p in group["params"]]
 
-    Only for 2-D parameters (the block matrices); embeddings, the LM head and any
-    vector go to AdamW. `momentum` is read from each param group at every step, so
-    the training loop can warm it up (0.85 -> 0.95 in the paper).
-    """
+    # The collectives move equal flat pieces of `size` elements, one per rank, so both
+    # zero-pad. Flat, because gloo takes only the concatenated form (NCCL also stacks).
+    def _reduce_scatter(self, tensors, size):
+        """The tensors run together in world_size pieces: piece `rank` averaged (soon), flat."""
+        if self.world_size == 1:
+            return tensors[0].view(-1)  # the whole gradient, no copy
+        padding = tensors[0].new_zeros(self.world_size * size - sum(t.numel() for t in tensors))
+        full = torch.cat([t.view(-1) for t in tensors] + [padding])
+        mine = full.new_empty(size)
+        self._pending.append(dist.reduce_scatter_single(mine, full, op=dist.ReduceOp.AVG,
+                                                        async_op=True))
+        return mine
 
-    def __init__(self, params, lr=0.02, momentum=0.95):
-        super().__init__(params, dict(lr=lr, momentum=momentum))
+    def _all_gather(self, mine, params, size):
+        """Every rank's `mine`, run together in rank order, into the params at the end of step()."""
+        if self.world_size > 1:
+            full = mine.new_empty(self.world_size * size)
+            mine = F.pad(mine.view(-1), (0, size - mine.numel()))
+            self._pending.append((dist.all_gather_single(full, mine, async_op=True), full, params))
 
     @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                update = muon_update(p.grad, state["momentum_buffer"], group["momentum"])
-                p.add_(update, alpha=-group["lr"])
+    def reduce_grads(self):
+        """Start averaging the gradients over the ranks (once per step)."""
+        if self._reduced is None:
+            self._reduced = self._reduce_scatter_grads()
 
+    def _averaged(self):
+        self.reduce_grads()
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+        return self._reduced
 
-class _RankLocalState:
-    """
-    Mixin for the distributed optimizers: their state differs per rank, so the state
-    dict records (world_size, rank) and refuses to load into a different layout.
-    """
+    def grad_sq_norms(self):
+        """{param: this rank's share of its averaged gradient's squared norm} (sum over ranks)."""
+        reduced = self._averaged()
+        return {p: reduced[p].float().square().sum() if p in reduced
+                else torch.zeros((), device=p.device) for p in self._params()}
+
+    @torch.no_grad()
+    def step(self, grad_scale=1.0):
+        reduced, self._reduced = self._averaged(), None
+        for grad in reduced.values():
+            grad.mul_(grad_scale)  # clipping: exactly a pre-scaled gradient
+        self._update(reduced)
+        for work, full, params in self._pending:
+            work.wait()
+            for p, new in zip(params, full.split(params[0].numel())):
+                p.copy_(new.view_as(p))
+        self._pending = []
 
     def state_dict(self):
         return {**super().state_dict(), "world_size": self.world_size, "rank": self.rank}
@@ -128,94 +150,101 @@ class _RankLocalState:
     def load_state_dict(self, state_dict):
         saved = (state_dict.get("world_size"), state_dict.get("rank"))
         if saved != (self.world_size, self.rank):
-            raise ValueError(
-                f"optimizer state was saved with (world_size, rank) = {saved}, but this "
-                f"process is {(self.world_size, self.rank)}; the distributed optimizers "
-                "keep per-rank state, so resume with the same world size and load each "
-                "rank's own file")
+            raise ValueError(f"optimizer state was saved with (world_size, rank) = {saved}, but "
+                             f"this process is {(self.world_size, self.rank)}; resume with the "
+                             "same world size and load each rank's own file")
         state_dict = {k: v for k, v in state_dict.items() if k not in ("world_size", "rank")}
         super().load_state_dict(state_dict)
 
 
-class DistMuon(_RankLocalState, Muon):
+class Muon(_Sharded):
     """
-    Muon for torchrun: each matrix is updated by one owner rank, then broadcast.
+    Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
 
-    Gradients must already be averaged across ranks (DDP does this), so the owner's
-    gradient is the global one. Owner of the i-th parameter (counting over the param
-    groups in order, identical on every rank) is rank i % world_size; only the owner
-    holds that matrix's momentum buffer and pays for its Newton-Schulz iteration, so
-    the optimizer work and state are split about 1/world_size per rank. Broadcasts
-    are launched asynchronously as soon as each owner's update is done and waited
-    for at the end, so communication overlaps with the remaining updates.
+    SGD with momentum steps along the momentum M, whose spectrum is dominated by a few
+    large singular directions, already being learned. Muon flattens the spectrum: it
+    replaces M = U S V^T by U V^T, so every singular direction moves by the same
+    amount, approximated by a few Newton-Schulz steps (zeropower_via_newtonschulz5)
+    instead of an SVD, in bf16 on GPU (ns_dtype overrides the precision).
+
+    Per step, for each matrix p with averaged gradient g:
+        buf <- momentum * buf + g                   (SGD momentum)
+        u   <- NS5(g + momentum * buf)              (Nesterov, then orthogonalise)
+        p   <- p - lr * sqrt(max(1, rows/cols)) * u
+
+    Only for 2-D parameters; `momentum` is read from the param group at every step, so
+    the training loop can warm it up (0.85 -> 0.95 in the paper). Distributed, a group's
+    same-shape matrices go world_size at a time, rank i owning the i-th of such a block:
+    a reduce-scatter of the stacked block hands it its averaged gradient (a short block
+    is padded with zero matrices, wasted traffic), it alone keeps its momentum and runs
+    Newton-Schulz, and an all-gather of the block shares the new matrices.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95):
-        super().__init__(params, lr=lr, momentum=momentum)
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+    def __init__(self, params, lr=0.02, momentum=0.95, ns_dtype=None, distributed=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum), distributed)
+        # An attribute, not a group setting, so the state dict stays plain numbers.
+        self.ns_dtype = ns_dtype
 
-    @torch.no_grad()
-    def step(self):
-        pending = []
-        params = [(p, group) for group in self.param_groups for p in group["params"]]
-        for i, (p, group) in enumerate(params):
-            owner = i % self.world_size
-            if owner == self.rank and p.grad is not None:
+    def _blocks(self):
+        """(group, block, this rank's matrix in it or None), blocks as in the docstring."""
+        for group in self.param_groups:
+            for shape in dict.fromkeys(p.shape for p in group["params"]):  # first-seen order
+                same = [p for p in group["params"] if p.shape == shape]
+                for i in range(0, len(same), self.world_size):
+                    block = same[i:i + self.world_size]
+                    yield group, block, block[self.rank] if self.rank < len(block) else None
+
+    def _reduce_scatter_grads(self):
+        reduced = {}
+        for _, block, p in self._blocks():
+            grad = self._reduce_scatter([q.grad for q in block], block[0].numel())
+            if p is not None:
+                reduced[p] = grad.view_as(p)
+        return reduced
+
+    def _update(self, reduced):
+        for group, block, p in self._blocks():
+            if p is not None:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                update = muon_update(p.grad, state["momentum_buffer"], group["momentum"])
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                update = muon_update(reduced[p], state["momentum_buffer"], group["momentum"],
+                                     self.ns_dtype)
                 p.add_(update, alpha=-group["lr"])
-            # Every rank joins every broadcast, even for a parameter without a gradient,
-            # so the sequence of collectives is the same on all ranks.
-            pending.append(dist.broadcast(p, src=owner, async_op=True))
-        for work in pending:
-            work.wait()
+            # In a short block, a rank without a matrix sends only padding (zeros).
+            self._all_gather(block[0].new_empty(0) if p is None else p, block, block[0].numel())
 
 
-class DistAdamW(_RankLocalState, torch.optim.Optimizer):
+class AdamW(_Sharded):
     """
-    AdamW with ZeRO-style sharded state, for torchrun.
+    AdamW with ZeRO-2 sharding: state and gradient split over the ranks.
 
-    Adam keeps two moment tensors per parameter, twice the model's size. Since the
-    update is elementwise, rank r can update just its slice of every parameter: view
-    the parameter flat, cut it into world_size equal slices of ceil(numel/world_size)
-    elements (the tail of the last slices is padding, and for tiny tensors some slices
-    are empty), keep exp_avg / exp_avg_sq for slice r only, update it, and all-gather
-    the slices so every rank has the whole new parameter. Gradients must already be
-    averaged (DDP), so no reduce-scatter is needed; each rank reads its slice of the
-    full gradient. The arithmetic is exactly torch.optim.AdamW's (decoupled weight
-    decay, bias correction), so the result matches it to float rounding.
+    The update is elementwise, so rank r can update just its slice of each parameter:
+    viewed flat and cut into world_size slices of ceil(numel / world_size) elements
+    (zero-padded at the end), rank r receives slice r of the averaged gradient, keeps
+    exp_avg / exp_avg_sq for it only, updates it, and all-gathers the slices. The
+    arithmetic is exactly torch.optim.AdamW's (decoupled weight decay, bias correction).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self._nccl = dist.get_backend() == "nccl"
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 distributed=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+                         distributed)
 
     def _shard_bounds(self, p):
         shard = math.ceil(p.numel() / self.world_size)
         lo = min(self.rank * shard, p.numel())
         return shard, lo, min(lo + shard, p.numel())
 
-    def _all_gather(self, gathered, mine):
-        """All-gather equal-size 1-D `mine` from every rank into `gathered`, async."""
-        if self._nccl:
-            return dist.all_gather_into_tensor(gathered, mine, async_op=True)
-        # gloo has no all_gather_into_tensor; the list form writes into views of
-        # `gathered`, which ends up laid out the same way.
-        return dist.all_gather(list(gathered.chunk(self.world_size)), mine, async_op=True)
+    def _reduce_scatter_grads(self):
+        return {p: self._reduce_scatter([p.grad], self._shard_bounds(p)[0]) for p in self._params()}
 
-    @torch.no_grad()
-    def step(self):
-        pending = []
+    def _update(self, reduced):
         for group in self.param_groups:
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             for p in group["params"]:
-                if p.grad is None:  # DDP leaves the same grads None on every rank
-                    continue
                 shard, lo, hi = self._shard_bounds(p)
-                param, grad = p.view(-1)[lo:hi], p.grad.view(-1)[lo:hi]
+                param, grad = p.view(-1)[lo:hi], reduced[p][:hi - lo]
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -230,32 +259,34 @@ class DistAdamW(_RankLocalState, torch.optim.Optimizer):
                 step_size = lr / (1 - beta1 ** step)
                 denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
                 param.addcdiv_(exp_avg, denom, value=-step_size)
-                # Pad to the common slice size so the all-gather sees equal sizes.
-                mine = torch.nn.functional.pad(param, (0, shard - param.numel()))
-                gathered = mine.new_empty(shard * self.world_size)
-                pending.append((self._all_gather(gathered, mine), gathered, p))
-        for work, gathered, p in pending:
-            work.wait()
-            p.view(-1).copy_(gathered[:p.numel()])
+                self._all_gather(param, [p], shard)
+
+
+@torch.no_grad()
+def reduce_gradients(optimizers):
+    """Average the gradients over the ranks; {parameter: squared L2 norm of its average}."""
+    for opt in optimizers:
+        opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
+    shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}
+    sq_norms = torch.stack(list(shares.values()))
+    if any(opt.world_size > 1 for opt in optimizers):
+        dist.all_reduce(sq_norms)  # each rank holds the squares of its slices and matrices
+    return dict(zip(shares, sq_norms.tolist()))
 
 
 def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
-                     unembedding_lr=0.004):
+                     unembedding_lr=0.004, ns_dtype=None):
     """
     Split the model's parameters by name into [AdamW, Muon] (SPEC section 6):
       transformer.wte.weight  -> AdamW, lr embedding_lr * sqrt(768 / d_model)
       lm_head.weight          -> AdamW, lr unembedding_lr * sqrt(768 / d_model)
       transformer.h.*         -> Muon,  lr matrix_lr (all 2-D, no biases or norm gains)
-    AdamW uses betas (0.8, 0.95), eps 1e-10 and no weight decay. `model` is the bare
-    model (not the DDP wrapper), with `model.config.n_embd`. Every parameter must land
-    in exactly one group; anything else raises ValueError naming it. Each param group
-    gets `initial_lr`, the base of the training loop's schedule. With
-    distributed=True (torch.distributed initialised, model wrapped in DDP by the
-    caller) the sharded DistAdamW and DistMuon are used instead.
+    AdamW: betas (0.8, 0.95), eps 1e-10, no weight decay; Muon's Newton-Schulz runs in
+    ns_dtype (None = bf16 on CUDA, float32 elsewhere). Every parameter must land in
+    exactly one group, else ValueError naming it. Each param group gets `initial_lr`,
+    the base of the schedule. distributed=True (torch.distributed initialised) shards
+    both optimizers over the ranks; the model is not wrapped in DDP.
     """
-    if distributed and not dist.is_initialized():
-        raise ValueError("build_optimizers(distributed=True) needs torch.distributed to be "
-                         "initialised first (dist.init_process_group under torchrun)")
     # The AdamW learning rates were tuned at d_model = 768; scale like 1/sqrt(width).
     scale = (768 / model.config.n_embd) ** 0.5
     embedding, head, matrices, seen = [], [], [], {}
@@ -283,14 +314,10 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
 
     adam_groups = [dict(params=embedding, lr=embedding_lr * scale),
                    dict(params=head, lr=unembedding_lr * scale)]
-    adam_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
-    if distributed:
-        optimizers = [DistAdamW(adam_groups, **adam_kwargs),
-                      DistMuon(matrices, lr=matrix_lr, momentum=0.95)]
-    else:
-        fused = embedding[0].is_cuda  # the fused kernel exists only for CUDA tensors
-        optimizers = [torch.optim.AdamW(adam_groups, fused=fused, **adam_kwargs),
-                      Muon(matrices, lr=matrix_lr, momentum=0.95)]
+    optimizers = [AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0,
+                        distributed=distributed),
+                  Muon(matrices, lr=matrix_lr, momentum=0.95, ns_dtype=ns_dtype,
+                       distributed=distributed)]
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

@@ -1,4 +1,4 @@
-"""Tests for optim.py: Newton-Schulz, Muon, AdamW config, the distributed variants, resume."""
+"""Tests for optim.py: Newton-Schulz, Muon, AdamW, the gradient reduction, the sharded run, resume."""
 
 import io
 import math
@@ -10,12 +10,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from optim import DistAdamW, Muon, build_optimizers, zeropower_via_newtonschulz5
+from optim import AdamW, Muon, build_optimizers, reduce_gradients, zeropower_via_newtonschulz5
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 D_MODEL, VOCAB = 15, 25  # odd sizes: 375-element tables do not split evenly over 2 ranks
+CLIP = 0.5  # below the tiny model's gradient norm, so clipping is active in the runs below
 
 
 def reference_newton_schulz(G, steps=5):
@@ -73,6 +73,41 @@ def test_newton_schulz_approximates_polar_factor(shape):
     assert cosine > 0.96
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_newton_schulz_bf16_matches_float32_within_bf16_tolerance(shape):
+    G = well_conditioned(*shape, torch.Generator().manual_seed(5))
+    fp32 = zeropower_via_newtonschulz5(G.float())
+    bf16 = zeropower_via_newtonschulz5(G.float(), dtype=torch.bfloat16)
+    assert bf16.dtype == torch.float32
+    assert not torch.equal(bf16, fp32)  # the switch really changed the working precision
+    # bf16 rounds at 2^-9 relative; the iteration does not converge but keeps singular
+    # values moving inside [0.68, 1.14], where the quintic's slope amplifies that
+    # rounding: measured 3-4.5% relative (Frobenius) difference from float32.
+    assert (bf16 - fp32).norm() / fp32.norm() < 0.06
+    # What Muon needs survives: the same polar factor U V^T, singular values in the band.
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    U2, s_out, Vh2 = torch.linalg.svd(bf16.double(), full_matrices=False)
+    torch.testing.assert_close(U2 @ Vh2, U @ Vh, rtol=0, atol=0.03)
+    assert s_out.min() > 0.65 and s_out.max() < 1.2, s_out
+
+
+def test_muon_ns_dtype_reaches_the_update():
+    gen = torch.Generator().manual_seed(6)
+    grad = torch.randn(12, 5, generator=gen)
+    results = {}
+    for ns_dtype in (None, torch.bfloat16):
+        p = nn.Parameter(torch.zeros(12, 5))
+        p.grad = grad.clone()
+        Muon([p], lr=1.0, ns_dtype=ns_dtype).step()
+        results[ns_dtype] = p.detach()
+    # One step from zero momentum (buf = grad): p = -sqrt(12/5) * NS5(grad + 0.95 * buf).
+    nesterov = grad.add(grad, alpha=0.95)
+    expected = -(zeropower_via_newtonschulz5(nesterov, dtype=torch.bfloat16) * (12 / 5) ** 0.5)
+    assert torch.equal(results[torch.bfloat16], expected)
+    assert not torch.equal(results[None], results[torch.bfloat16])
+    assert build_optimizers(make_model(), ns_dtype=torch.bfloat16)[1].ns_dtype == torch.bfloat16
+
+
 def test_muon_two_steps_match_hand_computation():
     gen = torch.Generator().manual_seed(2)
     params = [nn.Parameter(torch.randn(12, 5, generator=gen)),   # tall: step scaled
@@ -97,34 +132,38 @@ def test_muon_two_steps_match_hand_computation():
 
 
 class TinyModel(nn.Module):
-    """Named like the real model: an embedding, 5 block matrices (tall, wide, square), a head."""
+    """Named like the real model: an embedding, blocks of 5 matrices (tall, wide, square), a head."""
 
-    def __init__(self):
+    def __init__(self, n_blocks):
         super().__init__()
         d = D_MODEL
         self.config = SimpleNamespace(n_embd=d)
-        block = nn.Module()
-        block.attn, block.mlp = nn.Module(), nn.Module()
-        block.attn.c_q = nn.Linear(d, d, bias=False)               # 15 x 15
-        block.attn.c_k = nn.Linear(d, 8, bias=False)               # 8 x 15, wide
-        block.attn.c_proj = nn.Linear(8, d, bias=False)            # 15 x 8, tall
-        block.mlp.c_fc = nn.Linear(d, 2 * d, bias=False)           # 30 x 15, tall
-        block.mlp.c_proj = nn.Linear(2 * d, d, bias=False)         # 15 x 30, wide
-        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(VOCAB, d), h=nn.ModuleList([block])))
+        blocks = nn.ModuleList()
+        for _ in range(n_blocks):
+            block = nn.Module()
+            block.attn, block.mlp = nn.Module(), nn.Module()
+            block.attn.c_q = nn.Linear(d, d, bias=False)               # 15 x 15
+            block.attn.c_k = nn.Linear(d, 8, bias=False)               # 8 x 15, wide
+            block.attn.c_proj = nn.Linear(8, d, bias=False)            # 15 x 8, tall
+            block.mlp.c_fc = nn.Linear(d, 2 * d, bias=False)           # 30 x 15, tall
+            block.mlp.c_proj = nn.Linear(2 * d, d, bias=False)         # 15 x 30, wide
+            blocks.append(block)
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(VOCAB, d), h=blocks))
         self.lm_head = nn.Linear(d, VOCAB, bias=False)
 
     def forward(self, idx, targets):
         x = self.transformer.wte(idx)
-        block = self.transformer.h[0]
-        x = x + block.attn.c_q(x)
-        x = x + block.attn.c_proj(torch.tanh(block.attn.c_k(x)))
-        x = x + block.mlp.c_proj(F.relu(block.mlp.c_fc(x)) ** 2)
+        for block in self.transformer.h:
+            x = x + block.attn.c_q(x)
+            x = x + block.attn.c_proj(torch.tanh(block.attn.c_k(x)))
+            x = x + block.mlp.c_proj(F.relu(block.mlp.c_fc(x)) ** 2)
         return F.cross_entropy(self.lm_head(x).flatten(0, 1), targets.flatten())
 
 
-def make_model():
+def make_model(n_blocks=3):
+    """3 blocks by default: over 2 ranks each shape has a full block of matrices and a short one."""
     torch.manual_seed(0)
-    return TinyModel()
+    return TinyModel(n_blocks)
 
 
 def make_batch():
@@ -133,16 +172,23 @@ def make_batch():
     return idx, targets
 
 
+def clip_coefficient(norms):
+    """What train.py does with reduce_gradients' result: torch's clip_grad_norm_ rule."""
+    return min(1.0, CLIP / (math.sqrt(sum(norms.values())) + 1e-6))
+
+
 def train_step(model, optimizers, idx, targets, step):
-    """One step with a changing lr multiplier and Muon momentum, as train.py does."""
+    """One step as train.py takes it: schedule, backward, reduce, clip, update."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * (1.0 - 0.2 * step)
     optimizers[1].param_groups[0]["momentum"] = 0.85 + 0.05 * step
     model(idx, targets).backward()
+    coefficient = clip_coefficient(reduce_gradients(optimizers))
     for opt in optimizers:
-        opt.step()
+        opt.step(grad_scale=coefficient)
     model.zero_grad(set_to_none=True)
+    return coefficient
 
 
 def params_of(model):
@@ -159,7 +205,8 @@ def save(objects):
 def test_build_optimizers_groups_every_parameter_once():
     model = make_model()
     adamw, muon = build_optimizers(model)
-    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, Muon)
+    assert isinstance(adamw, AdamW) and isinstance(muon, Muon)
+    assert (adamw.world_size, adamw.rank, muon.world_size, muon.rank) == (1, 0, 1, 0)
     grouped = [p for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
     assert sorted(map(id, grouped)) == sorted(id(p) for p in model.parameters())
     scale = math.sqrt(768 / D_MODEL)
@@ -172,6 +219,7 @@ def test_build_optimizers_groups_every_parameter_once():
     assert embedding["weight_decay"] == 0.0
     assert muon.param_groups[0]["params"] == list(model.transformer.h.parameters())
     assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["momentum"] == 0.95
+    assert muon.ns_dtype is None
     for group in adamw.param_groups + muon.param_groups:
         assert group["initial_lr"] == group["lr"]
 
@@ -225,6 +273,41 @@ def test_adamw_three_steps_match_hand_computation():
         torch.testing.assert_close(w.detach().double(), expected, rtol=0, atol=1e-5)
 
 
+def test_grad_scale_equals_prescaled_gradient():
+    """step(grad_scale=c) must be bit for bit the step on c * gradient (clipping)."""
+    idx, targets = make_batch()
+    models = [make_model() for _ in range(3)]  # grad_scale, pre-scaled gradient, unscaled
+    runs = [build_optimizers(m) for m in models]
+    # A different scale each step: both optimizers are nearly invariant to a constant one.
+    for scale in (0.3, 2.0, 0.05):
+        for model in models:
+            model(idx, targets).backward()
+        for p in models[1].parameters():
+            p.grad.mul_(scale)
+        for model, optimizers, grad_scale in zip(models, runs, (scale, 1.0, 1.0)):
+            reduce_gradients(optimizers)
+            for opt in optimizers:
+                opt.step(grad_scale=grad_scale)
+            model.zero_grad(set_to_none=True)
+    scaled, prescaled, unscaled = map(params_of, models)
+    for name, p in prescaled.items():
+        assert torch.equal(scaled[name], p), name
+    # ... and the scale mattered: without it the weights end up elsewhere.
+    assert all((scaled[name] - p).abs().max() > 1e-4 for name, p in unscaled.items())
+
+
+def resume_and_step(checkpoint, distributed, idx, targets, step):
+    """Fresh model and optimizers from a checkpoint (tensors and numbers only), one step."""
+    checkpoint = torch.load(checkpoint, weights_only=True)
+    model = make_model()
+    model.load_state_dict(checkpoint["model"])
+    optimizers = build_optimizers(model, distributed=distributed)
+    for opt, state in zip(optimizers, checkpoint["optim"]):
+        opt.load_state_dict(state)
+    train_step(model, optimizers, idx, targets, step)
+    return model, optimizers
+
+
 def test_save_restore_matches_uninterrupted_run():
     idx, targets = make_batch()
     model = make_model()
@@ -233,20 +316,43 @@ def test_save_restore_matches_uninterrupted_run():
         train_step(model, optimizers, idx, targets, step)
     checkpoint = save(dict(model=model.state_dict(), optim=[o.state_dict() for o in optimizers]))
     train_step(model, optimizers, idx, targets, 2)
-
-    checkpoint = torch.load(checkpoint)
-    resumed = make_model()
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_optimizers = build_optimizers(resumed)
-    for opt, state in zip(resumed_optimizers, checkpoint["optim"]):
-        opt.load_state_dict(state)
-    train_step(resumed, resumed_optimizers, idx, targets, 2)
+    resumed, _ = resume_and_step(checkpoint, False, idx, targets, 2)
     for name, p in params_of(model).items():
         assert torch.equal(params_of(resumed)[name], p), name
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
+               "all_gather_into_tensor", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+def _count_bytes(traffic):
+    """Wrap the torch.distributed collectives: per name, the bytes of the full-size buffer
+    (the reduce-scatter input, the all-gather output, the all-reduce tensor)."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name):
+        def collective(*args, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            traffic[name] = traffic.get(name, 0) + max(t.numel() * t.element_size() for t in tensors)
+            return originals[name](*args, **kwargs)
+        return collective
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    return originals
+
+
+def _averaged_grad_sq_norms(model, world_size):
+    """Independently of optim.py: gather every rank's gradient, average, square, sum (float64)."""
+    norms = {}
+    for p in model.parameters():
+        grads = [torch.empty_like(p.grad) for _ in range(world_size)]
+        dist.all_gather(grads, p.grad)
+        norms[p] = (torch.stack(grads).double().mean(0) ** 2).sum().item()
+    return norms
+
+
 def _distributed_worker(rank, world_size, init_file, out_dir):
-    """Three DDP steps on half a batch each, a resume check, and state-layout records."""
+    """Three steps on half a batch each, a resume, a counted step, state-layout records."""
     torch.set_num_threads(1)  # two processes on a 2-core machine: don't oversubscribe
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
@@ -254,47 +360,56 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
     half = idx.size(0) // world_size
     idx, targets = idx[rank * half:(rank + 1) * half], targets[rank * half:(rank + 1) * half]
     model = make_model()
-    ddp = DDP(model)
     optimizers = build_optimizers(model, distributed=True)
-    for step in range(2):
-        train_step(ddp, optimizers, idx, targets, step)
+    coefficients = [train_step(model, optimizers, idx, targets, step) for step in range(2)]
     checkpoint = save(dict(model=model.state_dict(), optim=[o.state_dict() for o in optimizers]))
-    train_step(ddp, optimizers, idx, targets, 2)
+    coefficients.append(train_step(model, optimizers, idx, targets, 2))
     adamw, muon = optimizers
     named = dict(model.named_parameters())
     result = dict(
-        params=params_of(model),
+        params=params_of(model), coefficients=coefficients,
         adam_shard_numel={n: adamw.state[p]["exp_avg"].numel() for n, p in named.items()
                           if p in adamw.state},
         muon_buffers=sorted(n for n, p in named.items()
                             if "momentum_buffer" in muon.state.get(p, {})),
     )
-
-    # Resume from the step-2 checkpoint into fresh objects and take step 3 again.
-    checkpoint = torch.load(checkpoint)
-    resumed = make_model()
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_optimizers = build_optimizers(resumed, distributed=True)
-    for opt, state in zip(resumed_optimizers, checkpoint["optim"]):
-        opt.load_state_dict(state)
-    train_step(DDP(resumed), resumed_optimizers, idx, targets, 2)
+    resumed, resumed_optimizers = resume_and_step(checkpoint, True, idx, targets, 2)
     result["resumed_params"] = params_of(resumed)
 
-    # DistAdamW alone against torch.optim.AdamW on identical gradients, with weight
+    # One step of a 2-block model (every Muon block full) with the collectives counted,
+    # and its gradient norms against an independent average of the ranks' gradients.
+    counted = make_model(n_blocks=2)
+    counted_optimizers = build_optimizers(counted, distributed=True)
+    counted(idx, targets).backward()
+    expected_norms = _averaged_grad_sq_norms(counted, world_size)
+    traffic = {}
+    originals = _count_bytes(traffic)
+    norms = reduce_gradients(counted_optimizers)
+    for opt in counted_optimizers:
+        opt.step()
+    for name, original in originals.items():
+        setattr(dist, name, original)
+    names = {p: n for n, p in counted.named_parameters()}
+    result.update(traffic=traffic, norms={names[p]: v for p, v in norms.items()},
+                  expected_norms={names[p]: v for p, v in expected_norms.items()},
+                  counted_param_bytes=sum(p.numel() * p.element_size() for p in counted.parameters()))
+
+    # Sharded AdamW alone against torch.optim.AdamW on identical gradients, with weight
     # decay and an odd-sized tensor (padded slices): the same elementwise arithmetic.
     gen = torch.Generator().manual_seed(4)
     sharded = nn.Parameter(torch.randn(7, 5, generator=gen))
     plain = nn.Parameter(sharded.detach().clone())
-    pair = [DistAdamW([sharded], lr=0.1, weight_decay=0.1),
+    pair = [AdamW([sharded], lr=0.1, weight_decay=0.1, distributed=True),
             torch.optim.AdamW([plain], lr=0.1, weight_decay=0.1)]
     for _ in range(3):
-        sharded.grad = torch.randn(7, 5, generator=gen)
+        sharded.grad = torch.randn(7, 5, generator=gen)  # the same on both ranks: the average
         plain.grad = sharded.grad.clone()
         for opt in pair:
             opt.step()
     result["adamw_pair"] = (sharded.detach(), plain.detach())
     result["wrong_world_size_errors"] = []
-    for opt, state in zip(resumed_optimizers, checkpoint["optim"]):
+    checkpoint.seek(0)
+    for opt, state in zip(resumed_optimizers, torch.load(checkpoint, weights_only=True)["optim"]):
         try:
             opt.load_state_dict(dict(state, world_size=world_size + 1))
         except ValueError as error:
@@ -308,30 +423,56 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
 def distributed_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     mp.spawn(_distributed_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(2)]
+    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
-def single_process_params():
-    """The same three steps by one process on the whole batch with Muon and torch AdamW."""
+def single_process_run():
+    """The same three steps by one process on the whole batch, with the same optimizers."""
     idx, targets = make_batch()
     model = make_model()
     optimizers = build_optimizers(model)
-    for step in range(3):
-        train_step(model, optimizers, idx, targets, step)
-    return params_of(model)
+    coefficients = [train_step(model, optimizers, idx, targets, step) for step in range(3)]
+    return params_of(model), coefficients
 
 
-def test_distributed_matches_single_process(distributed_results, single_process_params):
-    # DDP averages the two half-batch gradients = the full-batch gradient; the sharded
-    # AdamW and owner-computed Muon must then reproduce torch.optim.AdamW + Muon. The
-    # average of two half-batch means differs from the full mean by rounding (~1e-7
-    # relative); Adam's division by sqrt(v) turns that into a relative error of the
-    # step, and the embedding lr here is 0.2 * sqrt(768 / 15) = 1.4, hence rtol 1e-5.
+def test_distributed_matches_single_process(distributed_results, single_process_run):
+    params, coefficients = single_process_run
+    rank0, rank1 = distributed_results
+    # The owners' results are all-gathered, so the ranks agree bit for bit.
+    for name, p in rank0["params"].items():
+        assert torch.equal(rank1["params"][name], p), name
+    # Clipping was active, and both runs clipped by the norm of the full-batch gradient.
+    assert max(coefficients) < 1
+    assert rank0["coefficients"] == pytest.approx(coefficients, rel=1e-6)
+    # Averaging two half-batch gradients = the full-batch gradient up to rounding (~1e-7
+    # relative); Adam's division by sqrt(v) passes that on to the step, and the embedding
+    # (lr 0.2 * sqrt(768 / 15) = 1.4) reaches entries of 5, hence rtol 1e-6 too.
+    for name, expected in params.items():
+        torch.testing.assert_close(rank0["params"][name], expected, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_reduce_gradients_returns_averaged_gradient_norms(distributed_results):
     for result in distributed_results:
-        for name, expected in single_process_params.items():
-            torch.testing.assert_close(result["params"][name], expected, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+        assert result["norms"].keys() == result["expected_norms"].keys()
+        for name, expected in result["expected_norms"].items():
+            assert result["norms"][name] == pytest.approx(expected, rel=1e-5), name
+
+
+def test_communication_is_reduce_scatter_plus_all_gather(distributed_results):
+    # Hand count for 2 ranks, float32. AdamW: each 25 x 15 = 375-element table is padded
+    # to 2 slices of 188 = 376 elements. Muon: each of the 5 shapes has 2 matrices, one
+    # full block; its stack holds exactly the 2 matrices, 2 x 1365 elements over all shapes.
+    full = (2 * 376 + 2 * 1365) * 4
+    assert distributed_results[0]["counted_param_bytes"] == (2 * 375 + 2 * 1365) * 4
+    for result in distributed_results:
+        # Once down (gradients) and once up (parameters): 2x the parameter bytes plus the
+        # 2 padding elements per direction, and a 12-float vector for the norms. Nothing
+        # else, in particular no all-reduce of the gradients (DDP) and no broadcast.
+        assert result["traffic"] == {"reduce_scatter_single": full, "all_gather_single": full,
+                                     "all_reduce": 12 * 4}
+        assert 2 * full == 2 * result["counted_param_bytes"] + 2 * 2 * 4
 
 
 def test_dist_adamw_matches_torch_adamw(distributed_results):
@@ -346,10 +487,12 @@ def test_distributed_state_is_split_across_ranks(distributed_results):
         "transformer.wte.weight": 188, "lm_head.weight": 188}
     assert distributed_results[1]["adam_shard_numel"] == {
         "transformer.wte.weight": numel - 188, "lm_head.weight": numel - 188}
-    # Round-robin ownership over the 5 block matrices in order: rank 0 owns 3, rank 1 owns 2.
+    # Each shape has 3 matrices, one per block: blocks of world_size = (h.0, h.1), (h.2,).
+    # Rank 0 owns the first of each block (h.0 and h.2), rank 1 the second (h.1).
     block = [n for n, _ in make_model().named_parameters() if n.startswith("transformer.h.")]
+    owned = [[n for n in block if n.split(".")[2] in layers] for layers in (("0", "2"), ("1",))]
     for rank, result in enumerate(distributed_results):
-        assert result["muon_buffers"] == sorted(block[rank::2])
+        assert result["muon_buffers"] == sorted(owned[rank])
 
 
 def test_distributed_save_restore(distributed_results):
