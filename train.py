@@ -11,19 +11,17 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
 from model import GPT, GPTConfig, peak_flops
-from optim import build_optimizers
+from optim import build_optimizers, reduce_gradients
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -265,8 +263,6 @@ if ckpt_path:
         torch.cuda.set_rng_state(rank_state["cuda_rng"].cpu())
 if compile == "on" or (compile == "auto" and cuda):
     model = torch.compile(model, dynamic=False)
-if ddp:
-    model = DDP(model, device_ids=[local_rank] if cuda else None)
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                          state=loader_state)
 
@@ -286,10 +282,6 @@ def muon_momentum(it):
 mid = watch_layer if watch_layer >= 0 else min(4, config.n_layer - 1)
 watched = {"mlp_first": raw_model.transformer.h[0].mlp, "lm_head": raw_model.lm_head,
            "mlp_mid": raw_model.transformer.h[mid].mlp, "attn_mid": raw_model.transformer.h[mid].attn}
-
-
-def grad_norm(module):
-    return torch.stack([p.grad.float().norm() for p in module.parameters()]).norm().item()
 
 
 def validate(n_tokens):
@@ -356,27 +348,29 @@ while True:
 
     t0 = time.time()
     train_loss = torch.zeros((), device=device)
-    for micro in range(grad_accum):
+    for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
         x, y = next(loader)
-        # DDP averages gradients once, on the last micro-step (optim.py does not average again).
-        sync = not ddp or micro == grad_accum - 1
-        with (nullcontext() if sync else model.no_sync()), autocast:
+        with autocast:
             loss = model(x, y) / grad_accum
         loss.backward()
         train_loss += loss.detach()
+    # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
+    # non-finite), so every rank takes the same decision below. An overflowed stream can still
+    # give a finite, useless loss, hence the residual norm.
+    stats = torch.stack([train_loss, raw_model.resid_norms.max().to(train_loss.device)])
     if ddp:
-        dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
-    params = [p for p in raw_model.parameters() if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    resid = raw_model.resid_norms.max()  # an overflowed stream can still give a finite, useless loss
-    if not all(torch.isfinite(v) for v in (train_loss, total_norm, resid)):  # before any parameter moves
-        write_log({"step": step, "diverged": True, "loss": train_loss.item(), "grad_norm": total_norm.item()})
-        stop(f"step {step}: loss {train_loss.item()}, gradient norm {total_norm.item()}, residual norm "
-             f"{resid.item()}: not finite; stopped before the optimizer step, so the parameters were not "
-             f"updated. Last good checkpoint: {last_good or 'none yet'}", 1)
-    record.update({f"grad_{k}": grad_norm(m) for k, m in watched.items()})
-    record["grad_norm"] = total_norm.item()
-    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, total_norm)
+        dist.all_reduce(stats)
+    train_loss, resid = stats[0].item() / world_size, stats[1].item()
+    norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
+    total_norm = math.sqrt(sum(norms.values()))
+    if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves
+        write_log({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
+        stop(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
+             f"stopped before the optimizer step, so the parameters were not updated. Last good "
+             f"checkpoint: {last_good or 'none yet'}", 1)
+    record.update({f"grad_{k}": math.sqrt(sum(norms[p] for p in m.parameters())) for k, m in watched.items()})
+    record["grad_norm"] = total_norm
+    clip = min(1.0, grad_clip / (total_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule, on the average
     lrm = lr_multiplier(step)
     for opt in optimizers:
         for group in opt.param_groups:
@@ -384,13 +378,13 @@ while True:
     for group in optimizers[1].param_groups:
         group["momentum"] = muon_momentum(step)
     for opt in optimizers:
-        opt.step()
+        opt.step(grad_scale=clip)
     model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
     dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
     tok_per_s = total_batch_size / dt
-    record.update(loss=train_loss.item(), lrm=lrm, resid_norms=raw_model.resid_norms.tolist(),
+    record.update(loss=train_loss, lrm=lrm, resid_norms=raw_model.resid_norms.tolist(),
                   tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
                   if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
