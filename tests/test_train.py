@@ -380,3 +380,20 @@ def test_out_dir_is_derived_from_the_run(tmp_path, data_dir):
     assert os.listdir(root) == ["d1_lt_i_k2_gqa1_swa_SL"]
     p = subprocess.run(cmd + ["--out_dir=x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "out_root=" in p.stderr and "does nothing when out_dir is given" in p.stderr
+
+
+def test_core_during_training_equals_eval_on_the_same_weights(tmp_path, data_dir):
+    from test_eval import make_bundle  # the handmade DCLM-style bundle of the eval tests
+    bundle = make_bundle(tmp_path / "bundle")
+    out = tmp_path / "core"
+    train(out, data_dir, "--num_steps=6", "--save_interval=6", "--core_interval=3", f"--bundle_dir={bundle}",
+          "--core_max_per_task=4", "--sample_tokens=0")
+    _, records = losses(out)
+    core = {r["step"]: r["core"] for r in records if "core" in r}
+    assert sorted(core) == [0, 3, 6]
+    p = subprocess.run([sys.executable, "eval.py", str(out), "--modes=core", "--loops=3", "--max_per_task=4",
+                        "--batch_size=4", f"--bundle_dir={bundle}", "--device=cpu"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    saved = json.loads((out / "step_000006" / "eval.json").read_text())
+    assert saved["results"]["3"]["CORE"] == pytest.approx(core[6], abs=1e-12)
