@@ -72,6 +72,13 @@ def _locked(path):
         f.close()
 
 
+def _replace(path, write):
+    """write(tmp), then rename tmp to path: readers never see half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
 class _Progress:
     """Counts downloaded bytes and files; prints them with the rate at a readable pace."""
 
@@ -110,8 +117,7 @@ def _fetch(url, part, progress):
         raise requests.ConnectionError(f"got {os.path.getsize(part)} of {expected} bytes")
 
 
-def download(url, path, retries=5, backoff=1.0, hint="offline? put the file at that path (data_dir "
-             "sets where files are looked for)", progress=None):
+def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):
     """Download url to path once: retries with exponential back-off, resume, atomic rename.
 
     Concurrent callers wait on the lock; bytes go to path + '.part', renamed only when complete.
@@ -136,6 +142,7 @@ def download(url, path, retries=5, backoff=1.0, hint="offline? put the file at t
                     break
             if attempt < retries:
                 time.sleep(backoff * 2 ** (attempt - 1))
+        hint = hint or "offline? put the file at that path yourself (data_dir says where files are)"
         raise ConnectionError(f"download failed after {attempt} attempts: {url} -> {path}: {error}\n{hint}")
 
 
@@ -161,7 +168,7 @@ def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1
                 if not os.path.exists(os.path.join(data_dir, name))]
     except ValueError as e:
         raise ValueError(f"{e}; delete it to download it again") from e
-    print(f"FineWeb-Edu: {n} training shards + 1 validation shard in {data_dir}: "
+    print(f"FineWeb-Edu: {n} training + 1 validation shards in {data_dir}: "
           f"{len(names) - len(todo)} present, downloading {len(todo)} (~{len(todo) * SHARD_GB:.1f} GB)")
     hint = hint or f"offline? put the shards in data_dir={data_dir!r}, or use dataset='embedded'"
     progress = _Progress(f"downloading shards into {data_dir}", len(todo))
@@ -216,25 +223,21 @@ def _read_manifest(directory):
 
 
 def write_manifest(directory, names):
-    """Record the shards' sizes and row counts in directory/manifest.json (atomically), keeping
-    the other shards it lists. Called once the shards are complete."""
+    """Record the complete shards' sizes and rows in directory/manifest.json, keeping other entries."""
     path = os.path.join(directory, MANIFEST)
     with _locked(path):
         manifest = _read_manifest(directory)
         for name in names:
             shard = os.path.join(directory, name)
             manifest[name] = {"bytes": os.path.getsize(shard), "rows": _rows(shard)}
-        with open(path + ".tmp", "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-        os.replace(path + ".tmp", path)
+        _replace(path, lambda tmp: pathlib.Path(tmp).write_text(json.dumps(manifest, indent=1, sort_keys=True)))
 
 
 def verify_manifest(directory, names):
-    """Check the shards `names` of a directory against its manifest.
+    """The shards `names` the directory's manifest cannot vouch for (missing, or not listed).
 
-    A listed shard whose size or row count changed (a truncated or replaced file would change the
-    training set or the validation split) is a ValueError naming it. Returns the names the manifest
-    cannot vouch for: missing files and files it does not list.
+    A listed shard whose size or rows changed is a ValueError naming it: a truncated or replaced
+    file would silently change the training set or the validation split.
     """
     manifest, unknown = _read_manifest(directory), []
     for name in names:
@@ -390,9 +393,7 @@ class Tokenizer:
         return table
 
     def save(self, path):
-        tmp = f"{path}.tmp{os.getpid()}"
-        self.tok.save(tmp)
-        os.replace(tmp, path)
+        _replace(path, self.tok.save)
 
 
 def train_tokenizer(files, vocab_size, path):
