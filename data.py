@@ -2,7 +2,8 @@
 
 The paper pretrains on FineWeb-Edu (nanochat's parquet shards). For CPU work with no network the
 same code path runs on an embedded corpus built from text on every machine with Python (reference
-manual topics, stdlib docstrings). Both are plain parquet shards; the last is validation.
+manual topics, stdlib docstrings). Both are plain parquet shards; the last is validation. A
+manifest.json beside complete shards records their sizes and rows, checked whenever they are used.
 
     python data.py --download 8     # first 8 FineWeb-Edu shards + the validation shard
     python data.py --embedded       # build the embedded corpus (no network)
@@ -230,7 +231,8 @@ def write_manifest(directory, names):
         for name in names:
             shard = os.path.join(directory, name)
             manifest[name] = {"bytes": os.path.getsize(shard), "rows": _rows(shard)}
-        _replace(path, lambda tmp: pathlib.Path(tmp).write_text(json.dumps(manifest, indent=1, sort_keys=True)))
+        text = json.dumps(manifest, indent=1, sort_keys=True)
+        _replace(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def verify_manifest(directory, names):
@@ -471,7 +473,7 @@ class DataLoader:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.names = [os.path.basename(f) for f in self.files]
         if len(set(self.names)) < len(self.names):
-            raise ValueError(f"DataLoader: file names must differ, the loader state names files: {self.names}")
+            raise ValueError(f"DataLoader: file names must differ (a loader state names files): {self.names}")
         row_groups = {}  # of each file (every shard has rows: _open_parquet checks)
         for name, path in zip(self.names, self.files):
             with _open_parquet(path) as pf:
@@ -486,8 +488,8 @@ class DataLoader:
         if state is None:
             return
         if not 0 <= state["row_group"] < row_groups.get(state["file"], 0):
-            raise ValueError(f"loader state: no row group {state['row_group']} of file {state['file']!r} "
-                             f"in the loader's files (row groups: {row_groups}); resume with the saved run's files")
+            raise ValueError(f"loader state: no row group {state['row_group']} of file {state['file']!r} in "
+                             f"the loader's files (row groups: {row_groups}); resume with the run's files")
         where = (self.names.index(state["file"]), state["row_group"])
         if (state["rank"], state["world_size"]) != (rank, world_size) or where not in self.groups:
             raise ValueError(f"loader state {state} is not a position of rank {rank} of "
