@@ -2,7 +2,8 @@
 
 The paper pretrains on FineWeb-Edu (nanochat's parquet shards). For CPU work with no network the
 same code path runs on an embedded corpus built from text on every machine with Python (reference
-manual topics, stdlib docstrings). Both are plain parquet shards; the last is validation.
+manual topics, stdlib docstrings). Both are plain parquet shards; the last is validation. A
+manifest.json beside complete shards records their sizes and rows, checked whenever they are used.
 
     python data.py --download 8     # first 8 FineWeb-Edu shards + the validation shard
     python data.py --embedded       # build the embedded corpus (no network)
@@ -13,11 +14,15 @@ import fcntl
 import glob
 import importlib
 import inspect
+import json
+import math
 import os
+import pathlib
 import pkgutil
 import random
 import shutil
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -31,27 +36,73 @@ import torch
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 SHARD_NAME = "shard_{:05d}.parquet"
 VAL_SHARD = 1822  # 1823 shards; nanochat keeps the last one (index 1822) for validation
+# Shard sizes, from nanochat's speedrun.sh: each shard holds ~250M characters, ~100 MB of parquet.
+# At ~4.5 characters per Qwen3 token that is ~55M tokens. The margin covers the uncertain characters
+# per token (nanochat rounds its 216 shards up to 240), so a run does not silently repeat its data.
+SHARD_TOKENS, SHARD_GB, SHARD_MARGIN = 55e6, 0.1, 1.1
 HUB_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"
 DEFAULT_DATA_DIR = "data"
+MANIFEST = "manifest.json"  # beside complete shards: each one's size and rows, checked on use
 BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document
+QWEN3_BOS = "<|im_start|>"  # the paper authors' document token with the Qwen3 tokenizer (id 151644)
+TIMEOUT = (5, 30)  # seconds to connect (an unreachable host fails fast), then between two reads
+PROGRESS_SECONDS = 10  # download progress: a line per finished file, else at most one per 10 s
 
 
 # ---- Files: a lock so concurrent ranks do the work once, and a robust download
 @contextlib.contextmanager
 def _locked(path):
-    """Exclusive lock on path + '.lock'. flock is released by the kernel even if we crash."""
+    """Exclusive lock on path + '.lock'. flock is released by the kernel even if we crash.
+
+    The lock file is removed while held, so none is left behind; a waiter that then gets the lock
+    of the removed file sees it is no longer the one at the path, and starts over.
+    """
+    lock = path + ".lock"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".lock", "w") as f:
+    while True:
+        f = open(lock, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(lock)):
+                break
+        f.close()
+    try:
         yield
+    finally:
+        os.remove(lock)
+        f.close()
 
 
-def _fetch(url, part):
+def _replace(path, write):
+    """write(tmp), then rename tmp to path: readers never see half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class _Progress:
+    """Counts downloaded bytes and files; prints them with the rate at a readable pace."""
+
+    def __init__(self, label, files):
+        self.label, self.files, self.done, self.bytes = label, files, 0, 0
+        self.start = self.last = time.monotonic()
+        self.lock = threading.Lock()  # download_shards' threads share one
+
+    def __call__(self, n_bytes=0, files=0):
+        with self.lock:
+            self.bytes, self.done, now = self.bytes + n_bytes, self.done + files, time.monotonic()
+            if files or now - self.last >= PROGRESS_SECONDS:
+                self.last = now
+                print(f"{self.label}: {self.done}/{self.files} files, {self.bytes / 1e6:,.1f} MB, "
+                      f"{self.bytes / 1e6 / max(now - self.start, 1e-3):.1f} MB/s", flush=True)
+
+
+def _fetch(url, part, progress):
     """One attempt: fetch url into the temp file `part`, resuming it with a Range request."""
     have = os.path.getsize(part) if os.path.exists(part) else 0
     # identity encoding: a Range counts bytes of the stored file, not of a gzip stream
     headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={have}-"} if have else {})
-    with requests.get(url, headers=headers, stream=True, timeout=30) as r:
+    with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
         if r.status_code == 416:  # our partial file is stale or already whole: start over
             os.remove(part)
             raise requests.ConnectionError(f"range {have}- not satisfiable, restarting")
@@ -62,53 +113,71 @@ def _fetch(url, part):
         with open(part, "ab" if have else "wb") as f:
             for chunk in r.iter_content(1 << 16):
                 f.write(chunk)
+                progress(len(chunk))
     if expected is not None and os.path.getsize(part) != expected:
         raise requests.ConnectionError(f"got {os.path.getsize(part)} of {expected} bytes")
 
 
-def download(url, path, retries=5, backoff=1.0):
+def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):
     """Download url to path once: retries with exponential back-off, resume, atomic rename.
 
     Concurrent callers wait on the lock; bytes go to path + '.part', renamed only when complete.
+    hint ends the error message: how to do without the network.
     """
-    if os.path.exists(path):
-        return path
     with _locked(path):
-        if os.path.exists(path):  # another rank finished it while we waited
+        if os.path.exists(path):  # already there, or another rank finished it while we waited
             return path
-        part, error = path + ".part", None
-        for attempt in range(retries):
-            if attempt:
-                time.sleep(backoff * 2 ** (attempt - 1))
+        part, progress = path + ".part", progress or _Progress(path, 1)
+        for attempt in range(1, retries + 1):
             try:
-                _fetch(url, part)
+                _fetch(url, part, progress)
                 os.replace(part, path)
-                print(f"downloaded {url} -> {path} ({os.path.getsize(path):,} bytes)")
+                progress(files=1)
                 return path
             except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
-                status = e.response.status_code if isinstance(e, requests.HTTPError) else 0
+                error, status = e, e.response.status_code if isinstance(e, requests.HTTPError) else 0
                 if 400 <= status < 500 and status not in (408, 429):
                     # wrong URL or no access: retrying cannot help, and there is nothing to resume
-                    if os.path.exists(part):
+                    with contextlib.suppress(FileNotFoundError):
                         os.remove(part)
-                    raise ConnectionError(f"download failed: {url}: HTTP {status}") from e
-                error = e
-        raise ConnectionError(f"download failed after {retries} attempts: {url}: {error}")
+                    break
+            if attempt < retries:
+                time.sleep(backoff * 2 ** (attempt - 1))
+        hint = hint or "offline? put the file at that path yourself (data_dir says where files are)"
+        raise ConnectionError(f"download failed after {attempt} attempts: {url} -> {path}: {error}\n{hint}")
 
 
-def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1.0):
-    """The first n training shards plus the validation shard, fetched 4 at a time."""
+def shards_for_tokens(n_tokens):
+    """FineWeb-Edu training shards holding n_tokens tokens, with SHARD_MARGIN to spare."""
+    n = math.ceil(n_tokens * SHARD_MARGIN / SHARD_TOKENS)
+    if not 1 <= n <= VAL_SHARD:
+        raise ValueError(f"{n_tokens:,} training tokens would need {n} shards of ~{SHARD_TOKENS:.3g} tokens "
+                         f"(x{SHARD_MARGIN} margin); FineWeb-Edu has 1..{VAL_SHARD} training shards")
+    return n
+
+
+def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1.0, hint=None):
+    """The first n training shards plus the validation shard, fetched 4 at a time.
+
+    Shards already in data_dir must match its manifest; the manifest then records them all.
+    """
     if not 1 <= n <= VAL_SHARD:
         raise ValueError(f"number of shards must be in 1..{VAL_SHARD}, got {n}")
     names = [SHARD_NAME.format(i) for i in [*range(n), VAL_SHARD]]
-    paths = [os.path.join(data_dir, name) for name in names]
     try:
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda name, path: download(f"{base_url}/{name}", path, retries, backoff),
-                          names, paths))
-    except ConnectionError as e:
-        raise ConnectionError(f"{e}\noffline? use dataset='embedded' (python data.py --embedded)") from e
-    return paths
+        todo = [name for name in verify_manifest(data_dir, names)
+                if not os.path.exists(os.path.join(data_dir, name))]
+    except ValueError as e:
+        raise ValueError(f"{e}; delete it to download it again") from e
+    print(f"FineWeb-Edu: {n} training + 1 validation shards in {data_dir}: "
+          f"{len(names) - len(todo)} present, downloading {len(todo)} (~{len(todo) * SHARD_GB:.1f} GB)")
+    hint = hint or f"offline? put the shards in data_dir={data_dir!r}, or use dataset='embedded'"
+    progress = _Progress(f"downloading shards into {data_dir}", len(todo))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda name: download(f"{base_url}/{name}", os.path.join(data_dir, name), retries,
+                                            backoff, hint, progress), todo))
+    write_manifest(data_dir, names)
+    return [os.path.join(data_dir, name) for name in names]
 
 
 def list_shards(data_dir):
@@ -121,16 +190,18 @@ def list_shards(data_dir):
 
 
 def _open_parquet(path):
-    """Open a shard, turning a missing, truncated or column-less file into an error naming it."""
+    """Open a shard, turning a missing, truncated, empty or text-less file into an error naming it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such parquet file: {path}")
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{path}: not a readable parquet file (truncated or corrupt?): {e}") from e
-    if "text" not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no 'text' column (columns: {pf.schema_arrow.names}); "
-                         "shards need a string column named 'text'")
+    columns = {f.name: f.type for f in pf.schema_arrow}
+    if columns.get("text") not in (pa.string(), pa.large_string()) or pf.metadata.num_rows == 0:
+        raise ValueError(f"{path}: {pf.metadata.num_rows} rows, columns "
+                         f"{ {k: str(t) for k, t in columns.items()} }; shards need a string column "
+                         "named 'text' and at least one row")
     return pf
 
 
@@ -140,6 +211,46 @@ def _read_texts(path, row_group):
             return pf.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{path}: row group {row_group} is unreadable: {e}") from e
+
+
+def _rows(path):
+    with _open_parquet(path) as pf:
+        return pf.metadata.num_rows
+
+
+def _read_manifest(directory):
+    path = pathlib.Path(directory, MANIFEST)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_manifest(directory, names):
+    """Record the complete shards' sizes and rows in directory/manifest.json, keeping other entries."""
+    path = os.path.join(directory, MANIFEST)
+    with _locked(path):
+        manifest = _read_manifest(directory)
+        for name in names:
+            shard = os.path.join(directory, name)
+            manifest[name] = {"bytes": os.path.getsize(shard), "rows": _rows(shard)}
+        text = json.dumps(manifest, indent=1, sort_keys=True)
+        _replace(path, lambda tmp: pathlib.Path(tmp).write_text(text))
+
+
+def verify_manifest(directory, names):
+    """The shards `names` the directory's manifest cannot vouch for (missing, or not listed).
+
+    A listed shard whose size or rows changed is a ValueError naming it: a truncated or replaced
+    file would silently change the training set or the validation split.
+    """
+    manifest, unknown = _read_manifest(directory), []
+    for name in names:
+        path, want = os.path.join(directory, name), manifest.get(name)
+        if want is None or not os.path.exists(path):
+            unknown.append(name)
+        elif os.path.getsize(path) != want["bytes"] or _rows(path) != want["rows"]:
+            raise ValueError(f"{path}: {os.path.getsize(path):,} bytes, but {MANIFEST} recorded "
+                             f"{want['bytes']:,} bytes and {want['rows']:,} rows when it was complete "
+                             "(truncated or replaced?)")
+    return unknown
 
 
 # ---- The embedded corpus: ~1.7 MB of English prose that ships with every Python
@@ -199,11 +310,25 @@ def _embedded_documents():
 
 
 def embedded_corpus(data_dir):
-    """Build (once, cached in data_dir/embedded/) the embedded corpus; return its shard paths."""
+    """Build (once, cached in data_dir/embedded/) the embedded corpus; return its shard paths.
+
+    The cache is checked against its manifest on every call; the corpus is deterministic, so one
+    that does not match is rebuilt.
+    """
     out = os.path.join(data_dir, "embedded")
+    names = [SHARD_NAME.format(i) for i in range(EMBEDDED_SHARDS)]
+    paths = [os.path.join(out, name) for name in names]
     with _locked(out):
         if os.path.isdir(out):
-            return list_shards(out)
+            try:
+                unknown = verify_manifest(out, names)
+                problem = unknown and f"{unknown} missing or not in {MANIFEST}"
+            except ValueError as e:
+                problem = e
+            if not problem:
+                return paths
+            print(f"embedded corpus: {problem}; rebuilding it in {out}")
+            shutil.rmtree(out)
         docs = _embedded_documents()
         random.Random(1234).shuffle(docs)  # mix topics and modules before splitting train/val
         total = sum(map(len, docs))  # the last documents, ~8% of the text, are the validation split
@@ -218,22 +343,25 @@ def embedded_corpus(data_dir):
         for i, texts in enumerate(shards):  # into a temp dir, then rename: never half a corpus
             pq.write_table(pa.table({"text": pa.array(texts, pa.string())}),
                            os.path.join(tmp, SHARD_NAME.format(i)), row_group_size=EMBEDDED_ROW_GROUP)
+        write_manifest(tmp, names)
         os.rename(tmp, out)
         n_bytes = [sum(len(t.encode()) for t in shard) for shard in shards]
         print(f"embedded corpus: {len(docs)} docs, {sum(n_bytes):,} bytes in {len(shards)} shards at {out} "
               f"(validation: {len(val)} docs, {n_bytes[-1]:,} bytes)")
-        return list_shards(out)
+        return paths
 
 
 # ---- Tokenizer
 class Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` with a document token (BOS) and a byte table."""
 
-    def __init__(self, tok, name="tokenizer"):
+    def __init__(self, tok, name="tokenizer", bos=BOS):
         self.tok = tok
-        self.bos_id = tok.token_to_id(BOS)
+        self.bos_id = tok.token_to_id(bos)
         if self.bos_id is None:
-            raise ValueError(f"{name}: no {BOS!r} token; the loader needs it as the document token")
+            special = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+            raise ValueError(f"{name}: no {bos!r} token for the document token (setting bos_token); "
+                             f"its special tokens: {special}")
         # "<|endoftext|>" written inside a document is text, not a fake document boundary
         tok.encode_special_tokens = True
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -267,9 +395,7 @@ class Tokenizer:
         return table
 
     def save(self, path):
-        tmp = f"{path}.tmp{os.getpid()}"
-        self.tok.save(tmp)
-        os.replace(tmp, path)
+        _replace(path, self.tok.save)
 
 
 def train_tokenizer(files, vocab_size, path):
@@ -293,13 +419,14 @@ def train_tokenizer(files, vocab_size, path):
     return tokenizer
 
 
-def load_tokenizer(name_or_path, cache_dir=None):
+def load_tokenizer(name_or_path, cache_dir=None, bos=BOS):
     """A tokenizer.json path, or a hub name like 'Qwen/Qwen3-0.6B' (downloaded into cache_dir)."""
     path = name_or_path
     if not os.path.exists(path) and not path.endswith(".json") and path.count("/") == 1:
         cache = cache_dir or DEFAULT_DATA_DIR
         path = download(HUB_URL.format(name=name_or_path),
-                        os.path.join(cache, name_or_path.replace("/", "--") + ".tokenizer.json"))
+                        os.path.join(cache, name_or_path.replace("/", "--") + ".tokenizer.json"),
+                        hint="offline? give the path of a tokenizer.json instead (setting tokenizer)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer {name_or_path!r}: no such file; give a tokenizer.json "
                                 "path or a hub name like 'Qwen/Qwen3-0.6B'")
@@ -307,13 +434,15 @@ def load_tokenizer(name_or_path, cache_dir=None):
         tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # the library raises a bare Exception for a malformed file
         raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from e
-    return Tokenizer(tok, name=path)
+    return Tokenizer(tok, name=path, bos=bos)
 
 
-def get_tokenizer(spec, data_dir, train_files, vocab_size):
+def get_tokenizer(spec, data_dir, train_files, vocab_size, bos=BOS):
     """'bpe': a local BPE trained once on train_files (cached); anything else: load_tokenizer."""
     if spec != "bpe":
-        return load_tokenizer(spec, cache_dir=data_dir)
+        return load_tokenizer(spec, cache_dir=data_dir, bos=bos)
+    if bos != BOS:
+        raise ValueError(f"the local 'bpe' tokenizer has {BOS!r}, not {bos!r} (setting bos_token)")
     path = os.path.join(data_dir, f"tokenizer_bpe{vocab_size}.json")
     with _locked(path):  # rank 0 trains, the other ranks wait and load
         if os.path.exists(path):
@@ -328,8 +457,9 @@ class DataLoader:
     A rank's stream: its row groups in order (row group g of the concatenated files goes to rank
     g % world_size), each document as [bos] + tokens, epoch after epoch, cut into consecutive
     windows of T+1 tokens; B windows make a batch. state_dict() is the position of the next unread
-    token ({"epoch", "file", "row_group", "offset" (tokens of that row group used), "rank",
-    "world_size"}): a loader built with state=loader.state_dict() after batch n yields batch n+1.
+    token ({"epoch", "file" (its name), "row_group", "offset" (tokens of that row group used),
+    "rank", "world_size"}): a loader built with state=loader.state_dict() after batch n yields
+    batch n+1. While a row group is consumed, the next one is tokenized in a background thread.
     """
 
     def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None):
@@ -341,34 +471,39 @@ class DataLoader:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
         self.files, self.tokenizer, self.B, self.T = list(files), tokenizer, batch_size, seq_len
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        groups, rows = [], 0
-        for i, path in enumerate(self.files):
+        self.names = [os.path.basename(f) for f in self.files]
+        if len(set(self.names)) < len(self.names):
+            raise ValueError(f"DataLoader: file names must differ (a loader state names files): {self.names}")
+        row_groups = {}  # of each file (every shard has rows: _open_parquet checks)
+        for name, path in zip(self.names, self.files):
             with _open_parquet(path) as pf:
-                for g in range(pf.num_row_groups):
-                    if len(groups) % world_size == rank:
-                        rows += pf.metadata.row_group(g).num_rows
-                    groups.append((i, g))
+                row_groups[name] = pf.num_row_groups
+        groups = [(i, g) for i, n in enumerate(row_groups.values()) for g in range(n)]
         self.groups = groups[rank::world_size]
-        if rows == 0:  # would loop forever looking for a token
+        if not self.groups:  # would loop forever looking for a token
             raise ValueError(f"rank {rank} of {world_size} gets no documents: {len(groups)} row groups in "
                              f"{len(self.files)} files ({self.files[0]}, ...); use fewer ranks or more data")
         self.epoch, self.pos, self.offset, self.tokens = 0, 0, 0, None
+        self.pool, self.prefetched = ThreadPoolExecutor(1), None
         if state is None:
             return
-        where = (state["file"], state["row_group"])
+        if not 0 <= state["row_group"] < row_groups.get(state["file"], 0):
+            raise ValueError(f"loader state: no row group {state['row_group']} of file {state['file']!r} in "
+                             f"the loader's files (row groups: {row_groups}); resume with the run's files")
+        where = (self.names.index(state["file"]), state["row_group"])
         if (state["rank"], state["world_size"]) != (rank, world_size) or where not in self.groups:
             raise ValueError(f"loader state {state} is not a position of rank {rank} of "
                              f"{world_size} in these {len(self.files)} files")
         self.epoch, self.pos, self.offset = state["epoch"], self.groups.index(where), state["offset"]
-        self.tokens = self._tokenize(self.pos)
+        self.tokens = self._load()
         if not 0 <= self.offset < len(self.tokens):
             raise ValueError(f"loader state {state}: offset outside the row group "
                              f"({len(self.tokens)} tokens)")
 
     def state_dict(self):
         file, row_group = self.groups[self.pos]
-        return {"epoch": self.epoch, "file": file, "row_group": row_group, "offset": self.offset,
-                "rank": self.rank, "world_size": self.world_size}
+        return {"epoch": self.epoch, "file": self.names[file], "row_group": row_group,
+                "offset": self.offset, "rank": self.rank, "world_size": self.world_size}
 
     def _tokenize(self, pos):
         file, row_group = self.groups[pos]
@@ -376,6 +511,14 @@ class DataLoader:
         for ids in self.tokenizer.encode_batch(_read_texts(self.files[file], row_group)):
             stream += [self.tokenizer.bos_id, *ids]
         return torch.tensor(stream, dtype=torch.long)
+
+    def _load(self):
+        """Row group self.pos, tokenized; starts tokenizing the one after it in the background."""
+        pos, future = self.prefetched or (None, None)
+        tokens = future.result() if pos == self.pos else self._tokenize(self.pos)
+        following = (self.pos + 1) % len(self.groups)
+        self.prefetched = (following, self.pool.submit(self._tokenize, following))
+        return tokens
 
     def __iter__(self):
         return self
@@ -385,7 +528,7 @@ class DataLoader:
         pieces, n = [], self.B * (self.T + 1)
         while n:
             if self.tokens is None:
-                self.tokens = self._tokenize(self.pos)
+                self.tokens = self._load()
             piece = self.tokens[self.offset:self.offset + n]
             pieces.append(piece)
             n -= len(piece)

@@ -1,7 +1,10 @@
 """Tests for data.py: embedded corpus, tokenizer, loader, downloader (local http.server only)."""
+import glob
 import json
 import os
 import re
+import shutil
+import socket
 import sys
 import threading
 import time
@@ -10,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import requests
 import tokenizers
 import torch
 
@@ -81,6 +85,40 @@ def test_embedded_corpus_deterministic_cached_and_split(corpus, tmp_path, monkey
     all_docs = [t for shard in texts for t in shard]
     assert all(all_docs) and len(set(all_docs)) == len(all_docs)
     assert any(d.startswith("json\n\n") for d in all_docs)  # a module document
+    assert not glob.glob(str(tmp_path / "*.lock")) and not glob.glob(str(tmp_path / "embedded" / "*.lock"))
+
+
+def test_embedded_manifest_records_shards(corpus):
+    manifest = json.load(open(os.path.join(os.path.dirname(corpus[0]), "manifest.json")))
+    assert manifest == {os.path.basename(p): {"bytes": os.path.getsize(p),
+                                              "rows": pq.ParquetFile(p).metadata.num_rows} for p in corpus}
+
+
+def append_row(path):
+    texts = pq.read_table(path).column("text").to_pylist()
+    pq.write_table(pa.table({"text": texts + ["one more document"]}), path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "extra_row", "manifest_rows", "no_manifest"])
+def test_embedded_corpus_rebuilt_when_damaged(corpus, tmp_path, capsys, damage):
+    cache = shutil.copytree(os.path.dirname(corpus[0]), tmp_path / "embedded")
+    victim, manifest = str(cache / "shard_00002.parquet"), cache / data.MANIFEST
+    if damage == "truncate":
+        os.truncate(victim, os.path.getsize(victim) - 100)
+    elif damage == "delete":
+        os.remove(victim)
+    elif damage == "extra_row":
+        append_row(victim)
+    elif damage == "manifest_rows":  # same bytes, another row count: the rows are checked too
+        entries = json.load(open(manifest))
+        entries["shard_00002.parquet"]["rows"] += 1
+        json.dump(entries, open(manifest, "w"))
+    else:
+        os.remove(manifest)
+    paths = data.embedded_corpus(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "rebuilding" in out and ("shard_00002.parquet" in out or damage == "no_manifest")
+    assert all(open(a, "rb").read() == open(b, "rb").read() for a, b in zip(corpus, paths))
 
 # ---------------------------------------------------------------- tokenizer
 
@@ -121,6 +159,29 @@ def test_load_and_get_tokenizer(tok, tmp_path, monkeypatch):
     again = data.get_tokenizer("bpe", str(tmp_path), files, 300)
     assert again.encode(UNICODE) == first.encode(UNICODE)
     assert data.get_tokenizer(path, str(tmp_path), files, 300).encode(UNICODE) == tok.encode(UNICODE)
+
+def test_bos_token_configurable(tok, corpus, tmp_path):
+    both = tokenizers.Tokenizer.from_str(tok.tok.to_str())  # the BPE plus Qwen3's <|im_start|>
+    both.add_special_tokens([data.QWEN3_BOS])
+    path = str(tmp_path / "both.json")
+    both.save(path)
+    qwen_like = data.load_tokenizer(path, bos=data.QWEN3_BOS)
+    assert qwen_like.bos_id == both.token_to_id(data.QWEN3_BOS) == 512 and qwen_like.vocab_size == 513
+    assert data.load_tokenizer(path).bos_id == tok.bos_id  # the default stays <|endoftext|>
+    table = qwen_like.token_bytes()  # both special tokens count 0 bytes
+    assert table[512] == 0 and table[tok.bos_id] == 0 and torch.equal(table[:512], tok.token_bytes())
+    text = UNICODE + data.QWEN3_BOS  # written in a document, it is text
+    ids = qwen_like.encode(text)
+    assert 512 not in ids and table[ids].sum() == len(text.encode("utf-8"))
+    x, y = next(data.DataLoader(corpus[-1:], qwen_like, 2, 32))
+    assert windows([(x, y)]) == expected_stream(corpus[-1:], qwen_like)[:66] and x[0, 0] == 512
+    # asking for a document token the tokenizer lacks names the token and the setting
+    tok.save(str(tmp_path / "bpe.json"))
+    for make in (lambda: data.load_tokenizer(str(tmp_path / "bpe.json"), bos=data.QWEN3_BOS),
+                 lambda: data.get_tokenizer("bpe", str(tmp_path), corpus[:1], 300, bos=data.QWEN3_BOS)):
+        with pytest.raises(ValueError, match=re.escape(data.QWEN3_BOS) + ".*bos_token"):
+            make()
+    assert data.get_tokenizer(path, str(tmp_path), [], 0, bos=data.QWEN3_BOS).bos_id == 512
 
 # ---------------------------------------------------------------- loader
 
@@ -179,6 +240,54 @@ def test_loader_resume_reproduces_next_batches(tok, tmp_path, rank, world_size):
     with pytest.raises(ValueError, match="loader state"):
         data.DataLoader(files, tok, 2, 16, rank=rank, world_size=world_size + 1, state=state)
 
+
+def test_loader_state_names_the_file(tok, tmp_path):
+    texts = [f"doc {i}: " + "more words " * i for i in range(9)]
+    files = [write_parquet(tmp_path / "a.parquet", texts[:5]),
+             write_parquet(tmp_path / "b.parquet", texts[5:])]
+    loader = data.DataLoader(files, tok, 2, 16)
+    for _ in range(100):
+        next(loader)
+        if (state := loader.state_dict())["file"] == "b.parquet":
+            break
+    assert state["file"] == "b.parquet" and state["row_group"] == 0 and state["offset"] > 0  # mid-way
+    # the same shards elsewhere, plus a new one after them: the state still points into b.parquet
+    os.makedirs(tmp_path / "moved")
+    moved = [shutil.copy(f, tmp_path / "moved") for f in files]
+    moved.append(write_parquet(tmp_path / "moved" / "c.parquet", ["new data"]))
+    resumed = data.DataLoader(moved, tok, 2, 16, state=state)
+    x, y = next(loader)
+    x2, y2 = next(resumed)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    for bad, match in [({"file": "c.parquet"}, "row group 0 of file 'c.parquet'"),
+                       ({"row_group": 3}, "row group 3 of file 'b.parquet'.*'b.parquet': 2")]:
+        with pytest.raises(ValueError, match=match):
+            data.DataLoader(files, tok, 2, 16, state=state | bad)
+    with pytest.raises(ValueError, match="names must differ"):
+        data.DataLoader([files[0], files[0]], tok, 2, 16)
+
+
+def test_loader_tokenizes_next_row_group_in_background(tok, tmp_path, monkeypatch):
+    calls, tokenize = [], data.DataLoader._tokenize
+
+    def recorded(self, pos):
+        calls.append((pos, threading.current_thread() is threading.main_thread()))
+        return tokenize(self, pos)
+    monkeypatch.setattr(data.DataLoader, "_tokenize", recorded)
+    files = [write_parquet(tmp_path / "a.parquet", [f"doc {i}: " + "word " * (3 * i) for i in range(12)])]
+    loader, batches = data.DataLoader(files, tok, 2, 8), []
+    while loader.state_dict()["row_group"] < 4:
+        batches.append(next(loader))
+    # the first row group in the caller's thread; each later one once, in the background, in order
+    # (row group 5 is being tokenized now, and may not have been recorded yet)
+    assert calls[:5] == [(0, True), (1, False), (2, False), (3, False), (4, False)] and len(calls) <= 6
+    # the same batches as the plain stream, tokenized one document at a time in the test
+    n = len(windows(batches))
+    assert windows(batches) == expected_stream(files, tok)[:n]
+    # and the state: the tokens of row group 4 used so far
+    assert loader.state_dict()["offset"] == n - sum(len(tok.encode(t)) + 1 for g in range(4)
+                                                    for t in docs_of(files[0], g))
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -191,7 +300,10 @@ def test_bad_input_names_the_file(tok, tmp_path):
     truncated = str(tmp_path / "truncated.parquet")
     with open(good, "rb") as f, open(truncated, "wb") as g:
         g.write(f.read()[:os.path.getsize(good) // 2])
-    for path in (no_text, truncated):
+    not_strings = str(tmp_path / "not_strings.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), not_strings)
+    empty = write_parquet(tmp_path / "empty.parquet", pa.array([], pa.string()))
+    for path in (no_text, truncated, not_strings, empty):
         with pytest.raises(ValueError, match=re.escape(path)):
             data.DataLoader([good, path], tok, 2, 8)
         with pytest.raises(ValueError, match=re.escape(path)):
@@ -254,12 +366,66 @@ def server(http_server, corpus):
     return http_server
 
 
-def test_download_normal_and_skip_existing(server, tmp_path):
+def no_locks(directory):
+    return not glob.glob(os.path.join(directory, "**", "*.lock"), recursive=True)
+
+
+def test_download_normal_and_skip_existing(server, tmp_path, capsys):
     path = str(tmp_path / "s.parquet")
     assert data.download(f"{server.url}/shard_00000.parquet", path, backoff=0.01) == path
     assert open(path, "rb").read() == server.files["/shard_00000.parquet"]
     data.download(f"{server.url}/shard_00000.parquet", path, backoff=0.01)
-    assert len(server.requests) == 1 and not os.path.exists(path + ".part")
+    assert len(server.requests) == 1 and not os.path.exists(path + ".part") and no_locks(tmp_path)
+    mb = len(server.files["/shard_00000.parquet"]) / 1e6
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"{re.escape(path)}: 1/1 files, {mb:.1f} MB, [\d.,]+ MB/s\n", out)
+
+
+def test_progress_lines_per_file_and_by_time(server, tmp_path, capsys, monkeypatch):
+    big = server.files["/shard_00000.parquet"]
+    assert len(big) > 3 * (1 << 16)  # several chunks: a line per chunk would show
+    monkeypatch.setattr(data, "PROGRESS_SECONDS", 1e9)
+    data.download(f"{server.url}/shard_00000.parquet", str(tmp_path / "a"))
+    assert capsys.readouterr().out.count("\n") == 1  # only the finished file
+    monkeypatch.setattr(data, "PROGRESS_SECONDS", 0)  # every chunk is "late": a line each
+    data.download(f"{server.url}/shard_00000.parquet", str(tmp_path / "b"))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 3 and all("0/1 files" in line for line in lines[:-1]) and "1/1 files" in lines[-1]
+
+
+def test_unreachable_host_fails_fast_with_hint(tmp_path, monkeypatch):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    calls, get = [], requests.get
+    monkeypatch.setattr(data.requests, "get", lambda *a, **kw: calls.append(kw) or get(*a, **kw))
+    url = f"http://127.0.0.1:{port}/shard_00000.parquet"
+    with pytest.raises(ConnectionError, match=re.escape(url) + "(.|\n)*data_dir"):
+        data.download(url, str(tmp_path / "s.parquet"), retries=2, backoff=0.01)
+    # requests' (connect, read) timeout: a host that does not answer fails within seconds per attempt
+    assert len(calls) == 2 and all(isinstance(kw["timeout"], tuple) and kw["timeout"][0] <= 10
+                                   for kw in calls)
+    with pytest.raises(ConnectionError, match="put the shards in data_dir=(.|\n)*embedded"):
+        data.download_shards(1, str(tmp_path), base_url=f"http://127.0.0.1:{port}", retries=1)
+    assert no_locks(tmp_path) and not glob.glob(str(tmp_path / "*.part"))
+
+
+def test_lock_is_exclusive_and_removed(tmp_path):
+    path, inside, seen = str(tmp_path / "x"), [], []
+
+    def work():
+        for _ in range(20):
+            with data._locked(path):
+                inside.append(1)
+                seen.append(len(inside))
+                time.sleep(0.001)
+                inside.pop()
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 120 and max(seen) == 1 and no_locks(tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["ok", "ignore_range"])
@@ -281,7 +447,7 @@ def test_download_http_errors(server, tmp_path, mode, gets):
     with pytest.raises(ConnectionError, match=re.escape(url)):
         data.download(url, path, retries=3, backoff=0.01)
     assert len(server.requests) == gets
-    assert not os.path.exists(path) and not os.path.exists(path + ".part")
+    assert not os.path.exists(path) and not os.path.exists(path + ".part") and no_locks(tmp_path)
 
 
 def test_concurrent_downloads_fetch_once(server, tmp_path):
@@ -292,18 +458,50 @@ def test_concurrent_downloads_fetch_once(server, tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert len(server.requests) == 1
+    assert len(server.requests) == 1 and no_locks(tmp_path)
     assert open(path, "rb").read() == server.files["/shard_00002.parquet"]
 
 
-def test_download_shards_and_offline_hint(server, tmp_path):
-    server.files = {f"/{data.SHARD_NAME.format(i)}": bytes([i % 256]) * 1000 for i in (0, 1, data.VAL_SHARD)}
-    paths = data.download_shards(2, str(tmp_path), base_url=server.url, backoff=0.01)
-    assert [os.path.basename(p) for p in paths] == ["shard_00000.parquet", "shard_00001.parquet",
-                                                    "shard_01822.parquet"]
+def test_shards_for_tokens():
+    assert data.shards_for_tokens(1) == 1
+    assert data.shards_for_tokens(1_234_567_890) == 25  # 1.2346e9 * 1.1 / 55e6 = 24.69
+    assert data.shards_for_tokens(3 * data.SHARD_TOKENS) == 4  # 3.3 shards with the margin
+    for bad in (0, 2e11):
+        with pytest.raises(ValueError, match="training tokens"):
+            data.shards_for_tokens(bad)
+
+
+def test_download_shards_manifest_and_plan(server, corpus, tmp_path, capsys):
+    # the served shards are real parquet: the embedded corpus, renamed
+    served = dict(zip([data.SHARD_NAME.format(i) for i in (0, 1, data.VAL_SHARD)], corpus))
+    server.files = {f"/{name}": open(p, "rb").read() for name, p in served.items()}
+    d = str(tmp_path)
+    paths = data.download_shards(2, d, base_url=server.url, backoff=0.01)
+    assert [os.path.basename(p) for p in paths] == list(served)
     assert all(open(p, "rb").read() == server.files[f"/{os.path.basename(p)}"] for p in paths)
-    with pytest.raises(ConnectionError, match="embedded"):
-        data.download_shards(3, str(tmp_path), base_url=server.url, backoff=0.01)
+    out = capsys.readouterr().out.splitlines()
+    assert "0 present, downloading 3 (~0.3 GB)" in out[0]
+    assert [line.split(": ")[1].split(" files")[0] for line in out[1:]] == ["1/3", "2/3", "3/3"]
+    assert f"{sum(map(len, server.files.values())) / 1e6:.1f} MB" in out[-1]
+    manifest = json.load(open(tmp_path / "manifest.json"))
+    assert manifest == {name: {"bytes": os.path.getsize(p), "rows": pq.ParquetFile(p).metadata.num_rows}
+                        for name, p in served.items()}
+    # a missing shard is downloaded again; the ones present are checked, not fetched
+    os.remove(paths[1])
+    server.requests = []
+    data.download_shards(2, d, base_url=server.url, backoff=0.01)
+    assert "2 present, downloading 1 (~0.1 GB)" in capsys.readouterr().out
+    assert [r[0] for r in server.requests] == ["/shard_00001.parquet"]
+    # a truncated or changed shard is an error naming it (and saying what to do), not a new split
+    for damage in (lambda p: os.truncate(p, os.path.getsize(p) - 1), append_row):
+        damage(paths[0])
+        with pytest.raises(ValueError, match=re.escape(paths[0]) + ".*delete it"):
+            data.download_shards(2, d, base_url=server.url, backoff=0.01)
+        shutil.copy(served["shard_00000.parquet"], paths[0])
+    assert no_locks(tmp_path)
+    server.files.pop("/shard_00002.parquet", None)
+    with pytest.raises(ConnectionError, match="shard_00002.parquet(.|\n)*embedded"):
+        data.download_shards(3, d, base_url=server.url, backoff=0.01)
 
 
 def test_load_tokenizer_from_hub_name(server, tok, tmp_path, monkeypatch):
