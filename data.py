@@ -11,7 +11,6 @@ manifest.json beside complete shards records their sizes and rows, checked whene
 import argparse
 import contextlib
 import fcntl
-import glob
 import importlib
 import inspect
 import json
@@ -178,15 +177,6 @@ def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1
                                             backoff, hint, progress), todo))
     write_manifest(data_dir, names)
     return [os.path.join(data_dir, name) for name in names]
-
-
-def list_shards(data_dir):
-    """The sorted parquet shards of a directory; the last one is the validation split."""
-    paths = sorted(glob.glob(os.path.join(data_dir, "*.parquet")))
-    if not paths:
-        raise FileNotFoundError(f"no *.parquet shards in {data_dir!r}; "
-                                "run python data.py --download N or python data.py --embedded")
-    return paths
 
 
 def _open_parquet(path):

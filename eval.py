@@ -445,11 +445,8 @@ def main(argv):
     model, meta = load_model(ckpt, dev, log=print0)  # the newest readable checkpoint, saying so
     model.eval()
     settings = meta.get("settings", {})
-    # the run's document token (train.py's bos_token); bos= only when it is not the default, so a
-    # data.load_tokenizer from before that keyword works too
-    bos = settings.get("bos_token", data.BOS)
     tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # saved with the weights
-                                    **({} if bos == data.BOS else {"bos": bos}))
+                                    bos=settings.get("bos_token", data.BOS))        # and its document token
     data_dir = c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR)
     seq_len = model.config.sequence_len
     json_path = c.out or os.path.join(meta["path"], "eval.json")

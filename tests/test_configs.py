@@ -3,7 +3,6 @@ breaks CI), and each experiment file sets what its name says. Nothing is trained
 import ast
 import math
 import os
-import re
 
 import pytest
 

@@ -354,7 +354,7 @@ def test_centered_accuracy_and_core(tasks):
     assert ev.centered(0.25, 25.0) == 0.0
     assert ev.centered(1.0, 50.0) == 1.0
     # K=2: MC 2/3 (baseline 25%), schema 3/3 (50%), LM 0/3 (0%)
-    mc, schema, lm = tasks["mc_task"], tasks["schema_task"], tasks["lm_task"]
+    mc, schema = tasks["mc_task"], tasks["schema_task"]
     mc_gold = oracle_for(mc, lambda i, item: item["gold"])
     mc_wrong = oracle_for(mc, lambda i, item: (item["gold"] + 1) % len(item["choices"]))
     known = mc_gold[:2] + mc_wrong[2:] + oracle_for(schema, lambda i, item: item["gold"])
@@ -735,10 +735,10 @@ class Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("settings, kwargs", [({}, {}), ({"bos_token": data.BOS}, {}),
+@pytest.mark.parametrize("settings, kwargs", [({}, {"bos": data.BOS}), ({"bos_token": data.BOS}, {"bos": data.BOS}),
                                               ({"bos_token": "<|bos|>"}, {"bos": "<|bos|>"})])
 def test_tokenizer_loaded_with_the_checkpoint_bos_token(tmp_path, monkeypatch, settings, kwargs):
-    """bos= is passed only for a document token other than data.BOS (data.py's keyword is new)."""
+    """The document token the run trained with (its bos_token setting; older runs: data.BOS)."""
     save_checkpoint(tmp_path, **settings)
     calls = []
 
