@@ -91,10 +91,12 @@ def norm(x):
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); rotate the two halves of each head by position-dependent angles.
+    """RoPE on x (B, T, H, D) in nanochat's (and the paper authors') convention: split each head
+    into halves x1, x2; y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos. Rotating the other way
+    would be an equally valid RoPE, but not the function the paper's checkpoints compute."""
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
 class CausalSelfAttention(nn.Module):

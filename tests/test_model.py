@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, config_for_depth
+from model import GPT, GPTConfig, KVCache, apply_rotary, config_for_depth
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below
@@ -85,13 +85,28 @@ def ref_norm(x):
 
 
 def ref_rope(x, pos0=0):
-    """x: (B, T, H, hd); half-split rotation, base 10000."""
+    """x: (B, T, H, hd); half-split rotation, base 10000, SPEC 2's direction:
+    y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos."""
     T, hd = x.shape[1], x.shape[3]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     angle = torch.arange(pos0, pos0 + T, dtype=torch.float64)[:, None] * inv_freq[None, :]
     cos, sin = angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+
+
+def test_rope_direction_hand_computed():
+    # head_dim 4: frequencies 10000^(-0/4) = 1 and 10000^(-2/4) = 0.01, so at position 1 the
+    # pairs (x1[0], x2[0]) = (1, 3) and (x1[1], x2[1]) = (2, 4) turn by 1 and 0.01 radians in
+    # nanochat's direction: y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos.
+    model = GPT(make_config(n_embd=8, n_head=2, n_kv_head=2))
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    expect = torch.tensor([1 * 0.5403023 + 3 * 0.8414710,     # 3.0647153
+                           2 * 0.9999500 + 4 * 0.0099998,     # 2.0398993
+                           -1 * 0.8414710 + 3 * 0.5403023,    # 0.7794359
+                           -2 * 0.0099998 + 4 * 0.9999500])   # 3.9798003
+    torch.testing.assert_close(apply_rotary(x, model.cos[1:2], model.sin[1:2]).flatten(), expect)
+    torch.testing.assert_close(apply_rotary(x, model.cos[:1], model.sin[:1]), x)  # position 0
 
 
 def ref_windows(cfg):
