@@ -144,8 +144,11 @@ class CausalSelfAttention(nn.Module):
             mask, causal = None, cache is None
         else:
             mask, causal = attention_mask(T, k.size(2), pos, self.window, q.device), False
+        gqa = self.n_kv_head != self.n_head
+        if gqa and mask is not None:  # enable_gqa with a mask would fall back to the math kernel
+            k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+                                           enable_gqa=gqa and mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -363,6 +363,24 @@ def test_kv_cache_matches_full_forward(variant, attention, loops):
         assert kv.pos == T
 
 
+def test_gqa_with_a_mask_repeats_kv_heads(monkeypatch):
+    # enable_gqa together with a mask falls back to SDPA's math kernel, so masked attention gets
+    # K/V repeated to n_head heads; unmasked (is_causal) attention keeps the grouped heads.
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+        calls.append((attn_mask is not None, k.size(1), v.size(1), enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+    model = make_model("FLT", "gqa", window_pattern="SL")  # n_head 4, n_kv_head 2
+    idx = random_tokens(2, 20)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        logits = model(idx, loops=2)
+    assert set(calls) == {(True, 4, 4, False), (False, 2, 2, True)}
+    torch.testing.assert_close(logits, reference_forward(model, model.config, idx, 2)[0][-1].float(), **TOL)
+
+
 @pytest.mark.parametrize("variant", ["LT", "FLT"])
 def test_new_kv_cache_and_chunked_prefill(variant):
     """A second multi-token chunk on top of a filled cache is also exact."""
