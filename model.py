@@ -403,7 +403,8 @@ def peak_flops(device):
     if not str(device).startswith("cuda"):
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12),
+                       ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
                        ("4090", 165e12), ("A10", 125e12)):
         if key in name:
             return flops
