@@ -300,8 +300,6 @@ class GPT(nn.Module):
             raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
         rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
         e = self.transformer.wte(idx)
-        if e.dtype != torch.float32 and not torch.is_autocast_enabled(e.device.type):
-            e = e.float()  # the bf16 embedding table used outside autocast
         x0, hs, norms = norm(e), [], []
         for t in range(K):
             h_prev = hs[-1] if hs else None
@@ -368,6 +366,20 @@ class GPT(nn.Module):
             yield token
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache)[:, -1]
+
+
+def precision(model, device_type, dtype):
+    """Set the model's numerics and return the autocast context to run it in: the one place
+    training and evaluation take them from, so both compute the same function. "bf16" stores the
+    token embedding in bf16 (SPEC 6) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
+    norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
+    is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
+    in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
+    bf16 = dtype == "bf16"
+    model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
 # ------------------------------------------------------------------------------------

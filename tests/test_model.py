@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, apply_rotary, config_for_depth
+from model import GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below
@@ -492,6 +492,28 @@ def test_checkpoint_loops_same_loss_and_grads(variant):
     assert grads_a["transformer.h.0.attn.c_q.weight"].abs().max() > 0
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------
+# 7b. Precision: train and eval take it from one helper
+
+
+def test_precision_helper_gives_training_and_eval_the_same_function():
+    model, idx = make_model("FLT", "gqa", loops=3), random_tokens(2, 20)
+    with torch.no_grad(), precision(model, "cpu", "fp32"):
+        fp32 = model(idx)
+    assert model.transformer.wte.weight.dtype == torch.float32
+    ctx = precision(model, "cpu", "bf16")
+    assert model.transformer.wte.weight.dtype == torch.bfloat16  # SPEC 6: embedding stored in bf16
+    with ctx:  # training usage: train mode, autograd on, forward()
+        train_logits = model.train()(idx)
+    with torch.no_grad(), ctx:  # eval.py's usage: eval mode, loop_states + head
+        eval_logits = model.eval().head(model.loop_states(idx)[-1])
+    torch.testing.assert_close(train_logits, eval_logits, atol=0, rtol=0)
+    diff = (train_logits - fp32).abs()
+    assert 0 < diff.max() < 0.1 and diff.mean() < 0.02  # logits span about +-4
+    with pytest.raises(ValueError, match="dtype='fp16'"):
+        precision(model, "cpu", "fp16")
 
 
 # ----------------------------------------------------------------------------------
