@@ -322,12 +322,28 @@ class GPT(nn.Module):
         """One pass through the L blocks: the loop body, shared by all five variants."""
         for i, block in enumerate(self.transformer.h):
             inject = injection(self.config.variant, i) if t > 0 else None
-            x = block(x, rope, h_prev, inject, caches[i])
+            # Decoding runs eagerly: its shapes change every step, so a compiled block would recompile.
+            run = block if caches[i] is None else block.forward
+            x = run(x, rope, h_prev, inject, caches[i])
         return x
+
+    def compile_regions(self, **kwargs):
+        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
+        The blocks share their code, so dynamo builds one graph per kind of layer (injection
+        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
+        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
+        activations alive). Runs with a KV cache stay eager. Returns the model."""
+        for block in self.transformer.h:
+            block.compile(**kwargs)
+        self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
+        return self
 
     def head(self, h):
         logits = self.lm_head(h)[..., :self.config.vocab_size].float()  # padded ids never predicted
         return 15 * torch.tanh(logits / 15)  # logit softcap, in fp32
+
+    def loss(self, h, targets):
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None):
         """Logits (B, T, V) of the last loop, or the loss if targets are given.
@@ -335,10 +351,7 @@ class GPT(nn.Module):
         hs = self.loop_states(idx, loops, kv_cache)
         if not (all_loops or (targets is not None and self.config.loss_all_loops)):
             hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
-        outputs = [self.head(h) for h in hs]
-        if targets is not None:
-            outputs = [F.cross_entropy(z.flatten(0, 1), targets.flatten(), ignore_index=-1)
-                       for z in outputs]
+        outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
         if all_loops:
             return torch.stack(outputs) if targets is not None else outputs
         return torch.stack(outputs).mean() if targets is not None else outputs[-1]

@@ -517,6 +517,52 @@ def test_precision_helper_gives_training_and_eval_the_same_function():
 
 
 # ----------------------------------------------------------------------------------
+# 7c. Regional compilation
+
+
+def compiled_frames():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("variant, attention, kinds", [("FLT", "window", 4), ("FLT_res", "gqa", 2),
+                                                       ("LT_ai", "mla", 2), ("LT", "window", 2)])
+def test_compile_regions_graph_count_is_bounded(variant, attention, kinds):
+    # One graph per kind of layer (injection x window) and one for the loss, whatever K; a KV
+    # cache runs eagerly. backend "eager" traces with dynamo, as inductor would, without codegen.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, model = make_model(variant, attention), make_model(variant, attention)
+    model.compile_regions(backend="eager", dynamic=False)
+    idx, targets = random_tokens(2, 16), random_tokens(2, 16, seed=4)
+    with torch.no_grad():
+        for K in range(1, 7):
+            torch.testing.assert_close(model(idx, loops=K), eager(idx, loops=K), atol=0, rtol=0)
+            torch.testing.assert_close(model(idx, targets, loops=K), eager(idx, targets, loops=K))
+        kv = model.new_kv_cache(2, 3)
+        model(idx[:, :5], loops=3, kv_cache=kv)
+        torch.testing.assert_close(model(idx[:, 5:6], loops=3, kv_cache=kv), eager(idx[:, :6], loops=3)[:, 5:],
+                                   atol=1e-4, rtol=0)
+    assert compiled_frames() == kinds + 1
+    torch._dynamo.reset()
+
+
+def test_compile_regions_with_checkpointing_same_grads():
+    # aot_eager: AOTAutograd's joint graph inside checkpointed loops, the combination whose memory
+    # saving a whole-model compile loses.
+    idx, targets = random_tokens(2, 16), random_tokens(2, 16, seed=3)
+    grads = []
+    for compiled in (False, True):
+        model = make_model("FLT", "window", checkpoint_loops=True).train()
+        if compiled:
+            model.compile_regions(backend="aot_eager", dynamic=False)
+        model(idx, targets, loops=3).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=lambda m: f"{name}: {m}")
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------
 # 8. Invalid settings
 
 
