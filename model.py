@@ -285,6 +285,52 @@ class GPT(nn.Module):
         attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
         return 6 * (block * K + head) + attn * K
 
+    def estimate_memory(self, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
+                        world_size=1, device_type="cuda"):
+        """Peak training bytes per GPU: {parameters, gradients, optimizer, activations, total}.
+        Optimizer state: AdamW's two slots (in the parameter's dtype) for wte and lm_head,
+        sharded over world_size; Muon's momentum for the block matrices, each owned by one
+        rank (rank 0's share). Activations, per token, d = n_embd, kv = n_kv_head * head_dim,
+        b = 2 (bf16 autocast) or 4 bytes, s = bytes of the residual stream (norm's output:
+        bf16 on CPU, fp32 under CUDA's autocast), V = padded vocabulary:
+          eager, per layer and loop: the stream twice (2s d), the normed inputs of the four
+            linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
+            RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
+            (b(2d + 2kv)), ReLU and its square (8b d); per loop also h(t) and the stream (s d)
+          compiled (compile_regions; inductor recomputes pointwise ops): 2s d + b(2d + 2kv) + 4b d
+          checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
+          logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
+            gradients (8V) in backward; compiled keeps the bf16 logits (bV) and peaks at +4V.
+        Checked against CPU measurements (bf16 autocast, eager) in tests/test_model.py; the
+        compiled counts are the partitioner's expected choice, not measured."""
+        c, K = self.config, self._loops(loops)
+        ckpt = c.checkpoint_loops if checkpoint_loops is None else checkpoint_loops
+        b = dtype_bytes(dtype)
+        s = 2 if (b == 2 and device_type == "cpu") else 4
+        d, kv, L, V = c.n_embd, c.n_kv_head * (c.n_embd // c.n_head), c.n_layer, c.padded_vocab
+        if compiled:
+            layer, head, head_peak = 2 * s * d + b * (2 * d + 2 * kv) + 4 * b * d, b * V, 4 * V
+        else:
+            layer = 2 * s * d + (2 if s == b else 4) * b * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
+            head, head_peak = 8 * V, 8 * V
+        N, loop = batch_size * c.sequence_len, L * layer + s * d
+        held = N * (K * (2 * s * d if ckpt else loop) + 2 * s * d + head)  # + e and norm(e)
+        wte, lm_head = self.transformer.wte.weight, self.lm_head.weight
+        # autocast's bf16 copies of the weights, saved for backward (the blocks' only while a loop is live)
+        blocks = 2 * sum(p.numel() for p in self.transformer.h.parameters()) if b == 2 else 0
+        held += 2 * lm_head.numel() if b == 2 else 0
+        peak = max(N * head_peak, N * loop + blocks) if ckpt else N * head_peak + blocks
+
+        def size(p, n):  # bytes of n elements of p: wte is stored in bf16 under bf16 (precision)
+            return n * (2 if p is wte and b == 2 else 4)
+        nbytes = {"parameters": sum(size(p, p.numel()) for p in self.parameters())}
+        nbytes["gradients"] = nbytes["parameters"]
+        nbytes["optimizer"] = (sum(2 * size(p, -(-p.numel() // world_size)) for p in (wte, lm_head))
+                               + sum(4 * p.numel() for p in list(self.transformer.h.parameters())[::world_size]))
+        nbytes["activations"] = held + peak
+        nbytes["total"] = sum(nbytes.values())
+        return nbytes
+
     def new_kv_cache(self, batch_size, loops=None):
         return KVCache(batch_size, self._loops(loops), self.config)
 
@@ -381,6 +427,13 @@ class GPT(nn.Module):
                 logits = self(token, loops=loops, kv_cache=cache)[:, -1]
 
 
+def dtype_bytes(dtype):
+    """Bytes per element of a precision setting, "bf16" or "fp32"."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
+    return 2 if dtype == "bf16" else 4
+
+
 def precision(model, device_type, dtype):
     """Set the model's numerics and return the autocast context to run it in: the one place
     training and evaluation take them from, so both compute the same function. "bf16" stores the
@@ -388,9 +441,7 @@ def precision(model, device_type, dtype):
     norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
     is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
     in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
-    if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
-    bf16 = dtype == "bf16"
+    bf16 = dtype_bytes(dtype) == 2
     model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
