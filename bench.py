@@ -1,15 +1,20 @@
 """
-Speed checks, measured side by side in one run.
+Speed and memory checks, measured side by side in one run.
     python bench.py                               # CPU fp32 ratios: depth 4, T=256, B=8
     python bench.py --mode=train --device=cuda --depth=12 --loops=9 --batch_size=8
         # a training step: graph breaks, compile time, tokens/s, MFU, peak memory
+    python bench.py --mode=memory --depth=6 --batch_size=2 --sequence_len=1024 --loops=12
+        # peak memory of a training step, checkpoint_loops off/on, regional vs whole-model compile
     python bench.py --mode=loader     # data.DataLoader tokens/s on the embedded corpus
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 
@@ -18,10 +23,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
 from configurator import configure
-from model import GPT, config_for_depth, peak_flops
+from model import GPT, config_for_depth, peak_flops, precision
 from optim import build_optimizers
 
-mode = "ratios"             # ratios | train | loader
+mode = "ratios"             # ratios | train | memory | loader (memory_step: one memory run)
 device = "cpu"
 depth = 4
 sequence_len = 256
@@ -35,20 +40,33 @@ n_kv_head = None            # train mode: None = n_head
 window_pattern = "L"        # train mode
 vocab_size = 151644         # train mode: the Qwen3 vocabulary
 checkpoint_loops = False    # train mode
-compile = True              # train mode: torch.compile (dynamic=False)
+compile_mode = "regional"   # train mode: eager | regional (GPT.compile_regions) | whole (torch.compile(model))
+dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (model.precision)
 steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader mode
 seconds = 5.0               # loader mode
 configure(globals(), sys.argv[1:])
 cuda = device.startswith("cuda")
-autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+dtype = ("bf16" if cuda else "fp32") if dtype == "auto" else dtype
+COMPILE_MODES = ("eager", "regional", "whole")
+if compile_mode not in COMPILE_MODES:
+    raise ValueError(f"compile_mode={compile_mode!r}: expected one of {COMPILE_MODES}")
 
 
 def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's CPU BPE
+    """(model, the autocast context to run it in), numerics from model.precision."""
     torch.manual_seed(0)
     model = GPT(config_for_depth(depth, sequence_len=seq, vocab_size=vocab, variant=variant, loops=loops, **kw))
     model.init_weights()
-    return model.to(device)
+    model.to(device)
+    return model, precision(model, torch.device(device).type, dtype)
+
+
+def compiled(model):
+    """The callable a training step runs, per compile_mode (dynamic=False, as train.py)."""
+    if compile_mode == "regional":
+        return model.compile_regions(dynamic=False)
+    return torch.compile(model, dynamic=False) if compile_mode == "whole" else model
 
 
 def timed(fn):
@@ -73,7 +91,7 @@ def ratio(name, fn_a, fn_b, bound):
     return a / b
 
 
-def fwd_bwd(model, idx, K):
+def fwd_bwd(model, idx, K, autocast):
     def step():
         with autocast:
             loss = model(idx, idx, loops=K)
@@ -84,10 +102,11 @@ def fwd_bwd(model, idx, K):
 
 def ratios():
     idx = torch.randint(0, 4096, (batch_size, sequence_len), device=device)
-    flt, lt = make("FLT"), make("LT")
+    (flt, autocast), (lt, _) = make("FLT"), make("LT")
     print(f"device {device}, depth {depth}, T={sequence_len}, B={batch_size}, median of {repeats}")
-    ratio(f"fwd+bwd FLT / LT, loops {loops}", fwd_bwd(flt, idx, loops), fwd_bwd(lt, idx, loops), "0.95-1.05")
-    ratio("fwd+bwd loops 6 / loops 3 (FLT)", fwd_bwd(flt, idx, 6), fwd_bwd(flt, idx, 3), "<= 2.1")
+    ratio(f"fwd+bwd FLT / LT, loops {loops}", fwd_bwd(flt, idx, loops, autocast),
+          fwd_bwd(lt, idx, loops, autocast), "0.95-1.05")
+    ratio("fwd+bwd loops 6 / loops 3 (FLT)", fwd_bwd(flt, idx, 6, autocast), fwd_bwd(flt, idx, 3, autocast), "<= 2.1")
 
     budgets = [1, 3, 6, 9, 12]
 
@@ -104,7 +123,7 @@ def ratios():
 
     ratio(f"loops {budgets}: one all-loops pass / five passes", one_pass, separate, "<= 0.45")
 
-    gen = make("FLT", seq=2 * gen_tokens).eval()
+    gen = make("FLT", seq=2 * gen_tokens)[0].eval()
     prompt = torch.randint(0, 4096, (1, 16), device=device)
 
     def cached():
@@ -125,17 +144,16 @@ def ratios():
 
 
 def train():
-    """One optimizer step of the real recipe (Muon + AdamW, bf16 autocast on CUDA, compiled)."""
-    model = make(variant, vocab=vocab_size, attn=attn, window_pattern=window_pattern,
-                 checkpoint_loops=checkpoint_loops, **({"n_kv_head": n_kv_head} if n_kv_head else {}))
-    if cuda:
-        model.transformer.wte.to(torch.bfloat16)
+    """One optimizer step of the real recipe (Muon + AdamW, model.precision, compiled)."""
+    model, autocast = make(variant, vocab=vocab_size, attn=attn, window_pattern=window_pattern,
+                           checkpoint_loops=checkpoint_loops, **({"n_kv_head": n_kv_head} if n_kv_head else {}))
     optimizers = build_optimizers(model)
     idx = torch.randint(0, vocab_size, (batch_size, sequence_len), device=device)
-    explain = torch._dynamo.explain(model)(idx, idx)
+    with torch.no_grad():  # tracing only: batch 1, no activations kept (the checkpoint branch is traced in tests)
+        explain = torch._dynamo.explain(model)(idx[:1], idx[:1])
     print(f"graph breaks: {explain.graph_break_count} {[str(b.reason) for b in explain.break_reasons]}")
     torch._dynamo.reset()
-    fwd = torch.compile(model, dynamic=False) if compile else model
+    fwd = compiled(model)
 
     # Full causal attention (self- and injected) must run the flash kernel: allow only that
     # backend, so a fallback to the math kernel is an error rather than a silent slowdown.
@@ -161,8 +179,63 @@ def train():
     mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else "n/a"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"{name} | {variant} depth {depth} loops {loops} attn {attn} B={batch_size} T={sequence_len} "
-          f"ckpt={checkpoint_loops} | first step {first:.1f} s | {dt * 1e3:.1f} ms/step | "
+          f"ckpt={checkpoint_loops} compile={compile_mode} | first step {first:.1f} s | {dt * 1e3:.1f} ms/step | "
           f"{tok_s:,.0f} tok/s | MFU {mfu} | peak {mem} | flash-only attention {flash_only}")
+
+
+def peak_memory(fn):
+    """Bytes by which memory peaks above its current level while fn runs. CUDA: the allocator's
+    peak. CPU: the process's peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs),
+    which sees everything a step holds at once: saved activations, what checkpointing keeps by
+    reference (saved-tensor hooks never see it), the loop recomputed in backward, the gradients."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        return torch.cuda.max_memory_allocated() - before
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - before
+
+
+def memory_step():
+    """One configuration of `memory`, in its own process: compile warm-up, then a step's peak."""
+    model, autocast = make(variant, vocab=vocab_size, checkpoint_loops=checkpoint_loops)
+    step = fwd_bwd(compiled(model), torch.randint(0, vocab_size, (batch_size, sequence_len), device=device),
+                   loops, autocast)
+    first, dt = timed(step), timed(step)
+    print(json.dumps(dict(peak=peak_memory(step), warmup=first - dt, step=dt)))
+
+
+def memory():
+    """Peak memory of a training step with checkpoint_loops off and on, side by side, for eager,
+    regional and whole-model compilation, and the first step's extra time (compile warm-up, from
+    an empty inductor cache). Each run is a fresh process: compiled graphs, the allocator and the
+    peak are per process. glibc's mmap threshold is pinned, so freed tensors go back to the OS
+    and the resident set follows live memory."""
+    print(f"{device} {dtype}, {variant} depth {depth} loops {loops} B={batch_size} T={sequence_len} V={vocab_size}")
+    print(f"{'compile':<9} {'peak ckpt off':>14} {'peak ckpt on':>13} {'on/off':>7} {'warm-up off/on':>15} "
+          f"{'step off/on':>13}")
+    for name in COMPILE_MODES:
+        runs = []
+        for ckpt in (False, True):
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TORCHINDUCTOR_CACHE_DIR=cache)
+                out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode=memory_step",
+                                      f"--compile_mode={name}", f"--checkpoint_loops={ckpt}"],
+                                     env=env, capture_output=True, text=True, check=True).stdout
+            runs.append(json.loads(out.splitlines()[-1]))
+        off, on = runs
+        print(f"{name:<9} {off['peak'] / 2**20:10.0f} MiB {on['peak'] / 2**20:9.0f} MiB "
+              f"{on['peak'] / off['peak']:7.2f} {off['warmup']:7.1f}/{on['warmup']:.1f} s "
+              f"{off['step']:6.1f}/{on['step']:.1f} s", flush=True)
 
 
 def loader():
@@ -179,7 +252,7 @@ def loader():
 
 
 if __name__ == "__main__":
-    modes = {"ratios": ratios, "train": train, "loader": loader}
+    modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader}
     if mode not in modes:
         raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
     modes[mode]()

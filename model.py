@@ -91,10 +91,12 @@ def norm(x):
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); rotate the two halves of each head by position-dependent angles.
+    """RoPE on x (B, T, H, D) in nanochat's (and the paper authors') convention: split each head
+    into halves x1, x2; y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos. Rotating the other way
+    would be an equally valid RoPE, but not the function the paper's checkpoints compute."""
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,8 +144,11 @@ class CausalSelfAttention(nn.Module):
             mask, causal = None, cache is None
         else:
             mask, causal = attention_mask(T, k.size(2), pos, self.window, q.device), False
+        gqa = self.n_kv_head != self.n_head
+        if gqa and mask is not None:  # enable_gqa with a mask would fall back to the math kernel
+            k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+                                           enable_gqa=gqa and mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -280,6 +285,52 @@ class GPT(nn.Module):
         attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
         return 6 * (block * K + head) + attn * K
 
+    def estimate_memory(self, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
+                        world_size=1, device_type="cuda"):
+        """Peak training bytes per GPU: {parameters, gradients, optimizer, activations, total}.
+        Optimizer state: AdamW's two slots (in the parameter's dtype) for wte and lm_head,
+        sharded over world_size; Muon's momentum for the block matrices, each owned by one
+        rank (rank 0's share). Activations, per token, d = n_embd, kv = n_kv_head * head_dim,
+        b = 2 (bf16 autocast) or 4 bytes, s = bytes of the residual stream (norm's output:
+        bf16 on CPU, fp32 under CUDA's autocast), V = padded vocabulary:
+          eager, per layer and loop: the stream twice (2s d), the normed inputs of the four
+            linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
+            RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
+            (b(2d + 2kv)), ReLU and its square (8b d); per loop also h(t) and the stream (s d)
+          compiled (compile_regions; inductor recomputes pointwise ops): 2s d + b(2d + 2kv) + 4b d
+          checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
+          logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
+            gradients (8V) in backward; compiled keeps the bf16 logits (bV) and peaks at +4V.
+        Checked against CPU measurements (bf16 autocast, eager) in tests/test_model.py; the
+        compiled counts are the partitioner's expected choice, not measured."""
+        c, K = self.config, self._loops(loops)
+        ckpt = c.checkpoint_loops if checkpoint_loops is None else checkpoint_loops
+        b = dtype_bytes(dtype)
+        s = 2 if (b == 2 and device_type == "cpu") else 4
+        d, kv, L, V = c.n_embd, c.n_kv_head * (c.n_embd // c.n_head), c.n_layer, c.padded_vocab
+        if compiled:
+            layer, head, head_peak = 2 * s * d + b * (2 * d + 2 * kv) + 4 * b * d, b * V, 4 * V
+        else:
+            layer = 2 * s * d + (2 if s == b else 4) * b * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
+            head, head_peak = 8 * V, 8 * V
+        N, loop = batch_size * c.sequence_len, L * layer + s * d
+        held = N * (K * (2 * s * d if ckpt else loop) + 2 * s * d + head)  # + e and norm(e)
+        wte, lm_head = self.transformer.wte.weight, self.lm_head.weight
+        # autocast's bf16 copies of the weights, saved for backward (the blocks' only while a loop is live)
+        blocks = 2 * sum(p.numel() for p in self.transformer.h.parameters()) if b == 2 else 0
+        held += 2 * lm_head.numel() if b == 2 else 0
+        peak = max(N * head_peak, N * loop + blocks) if ckpt else N * head_peak + blocks
+
+        def size(p, n):  # bytes of n elements of p: wte is stored in bf16 under bf16 (precision)
+            return n * (2 if p is wte and b == 2 else 4)
+        nbytes = {"parameters": sum(size(p, p.numel()) for p in self.parameters())}
+        nbytes["gradients"] = nbytes["parameters"]
+        nbytes["optimizer"] = (sum(2 * size(p, -(-p.numel() // world_size)) for p in (wte, lm_head))
+                               + sum(4 * p.numel() for p in list(self.transformer.h.parameters())[::world_size]))
+        nbytes["activations"] = held + peak
+        nbytes["total"] = sum(nbytes.values())
+        return nbytes
+
     def new_kv_cache(self, batch_size, loops=None):
         return KVCache(batch_size, self._loops(loops), self.config)
 
@@ -295,8 +346,6 @@ class GPT(nn.Module):
             raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
         rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
         e = self.transformer.wte(idx)
-        if e.dtype != torch.float32 and not torch.is_autocast_enabled(e.device.type):
-            e = e.float()  # the bf16 embedding table used outside autocast
         x0, hs, norms = norm(e), [], []
         for t in range(K):
             h_prev = hs[-1] if hs else None
@@ -319,12 +368,28 @@ class GPT(nn.Module):
         """One pass through the L blocks: the loop body, shared by all five variants."""
         for i, block in enumerate(self.transformer.h):
             inject = injection(self.config.variant, i) if t > 0 else None
-            x = block(x, rope, h_prev, inject, caches[i])
+            # Decoding runs eagerly: its shapes change every step, so a compiled block would recompile.
+            run = block if caches[i] is None else block.forward
+            x = run(x, rope, h_prev, inject, caches[i])
         return x
+
+    def compile_regions(self, **kwargs):
+        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
+        The blocks share their code, so dynamo builds one graph per kind of layer (injection
+        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
+        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
+        activations alive). Runs with a KV cache stay eager. Returns the model."""
+        for block in self.transformer.h:
+            block.compile(**kwargs)
+        self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
+        return self
 
     def head(self, h):
         logits = self.lm_head(h)[..., :self.config.vocab_size].float()  # padded ids never predicted
         return 15 * torch.tanh(logits / 15)  # logit softcap, in fp32
+
+    def loss(self, h, targets):
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None):
         """Logits (B, T, V) of the last loop, or the loss if targets are given.
@@ -332,10 +397,7 @@ class GPT(nn.Module):
         hs = self.loop_states(idx, loops, kv_cache)
         if not (all_loops or (targets is not None and self.config.loss_all_loops)):
             hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
-        outputs = [self.head(h) for h in hs]
-        if targets is not None:
-            outputs = [F.cross_entropy(z.flatten(0, 1), targets.flatten(), ignore_index=-1)
-                       for z in outputs]
+        outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
         if all_loops:
             return torch.stack(outputs) if targets is not None else outputs
         return torch.stack(outputs).mean() if targets is not None else outputs[-1]
@@ -363,6 +425,25 @@ class GPT(nn.Module):
             yield token
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache)[:, -1]
+
+
+def dtype_bytes(dtype):
+    """Bytes per element of a precision setting, "bf16" or "fp32"."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
+    return 2 if dtype == "bf16" else 4
+
+
+def precision(model, device_type, dtype):
+    """Set the model's numerics and return the autocast context to run it in: the one place
+    training and evaluation take them from, so both compute the same function. "bf16" stores the
+    token embedding in bf16 (SPEC 6) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
+    norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
+    is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
+    in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
+    bf16 = dtype_bytes(dtype) == 2
+    model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
 # ------------------------------------------------------------------------------------
@@ -398,7 +479,8 @@ def peak_flops(device):
     if not str(device).startswith("cuda"):
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12),
+                       ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
                        ("4090", 165e12), ("A10", 125e12)):
         if key in name:
             return flops
