@@ -174,10 +174,10 @@ def train():
         torch.cuda.reset_peak_memory_stats()
     dt = statistics.median(timed(step) for _ in range(steps))
     tok_s = batch_size * sequence_len / dt
-    peak = peak_flops(device)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    peak = peak_flops(name)
     mfu = f"{100 * model.estimate_flops() * tok_s / peak:.1f}%" if peak else "n/a"
     mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else "n/a"
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"{name} | {variant} depth {depth} loops {loops} attn {attn} B={batch_size} T={sequence_len} "
           f"ckpt={checkpoint_loops} compile={compile_mode} | first step {first:.1f} s | {dt * 1e3:.1f} ms/step | "
           f"{tok_s:,.0f} tok/s | MFU {mfu} | peak {mem} | flash-only attention {flash_only}")

@@ -43,6 +43,7 @@ HUB_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"
 DEFAULT_DATA_DIR = "data"
 MANIFEST = "manifest.json"  # beside complete shards: each one's size and rows, checked on use
 BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document
+QWEN3_VOCAB = 151669  # ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (151644..151668); train.py --dry_run
 QWEN3_BOS = "<|im_start|>"  # the paper authors' document token with the Qwen3 tokenizer (id 151644)
 TIMEOUT = (5, 30)  # seconds to connect (an unreachable host fails fast), then between two reads
 PROGRESS_SECONDS = 10  # download progress: a line per finished file, else at most one per 10 s

@@ -70,6 +70,7 @@ import yaml
 import data
 from configurator import configure, settings_of
 from checkpoint import load_model
+from model import precision
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample
@@ -89,6 +90,7 @@ sample_tokens = 48              # sample mode: tokens generated per prompt and K
 temperature = 0.0               # sample mode: 0 = greedy
 seed = 42                       # sample mode: sampling seed when temperature > 0
 out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
+dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 
 MODES = ("bpb", "wiki", "core", "sample")
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -108,21 +110,17 @@ def all_reduce_sum(t):
         dist.all_reduce(t)
 
 
-def autocast(device_type):
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda")
-
-
 # ----------------------------------------------------------------------------- the budget sweep
 @torch.no_grad()
 def loop_losses(model, idx, targets, loops_list):
-    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0."""
-    with autocast(idx.device.type):
-        hs = model.loop_states(idx, max(loops_list))
-        result = {}
-        for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
-            logits = model.head(hs[K - 1])
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
-            result[K] = (loss.view_as(targets), logits.argmax(dim=-1))
+    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
+    Run it in the model's precision context (model.precision), as main() and train.py do."""
+    hs = model.loop_states(idx, max(loops_list))
+    result = {}
+    for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
+        logits = model.head(hs[K - 1])
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+        result[K] = (loss.view_as(targets), logits.argmax(dim=-1))
     return result
 
 
@@ -375,9 +373,8 @@ def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=N
         for prompt in SAMPLE_PROMPTS:
             ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
             n = min(max_new_tokens, model.config.sequence_len - len(ids))
-            with autocast(device.type):
-                new = [t.item() for t in model.generate(torch.tensor([ids], device=device), n,
-                                                         temperature, seed=seed, loops=K)]
+            new = [t.item() for t in model.generate(torch.tensor([ids], device=device), n,
+                                                     temperature, seed=seed, loops=K)]
             texts[K].append(tokenizer.decode(ids[1:] + new))  # decoded whole: no split characters
     return texts
 
@@ -445,6 +442,8 @@ def main(argv):
     model, meta = load_model(ckpt, dev, log=print0)  # the newest readable checkpoint, saying so
     model.eval()
     settings = meta.get("settings", {})
+    # the numerics the run trained with (bf16 embedding and autocast, or fp32): the same function
+    numerics = precision(model, dev.split(":")[0], c.dtype or settings.get("dtype", "fp32"))
     tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # saved with the weights
                                     bos=settings.get("bos_token", data.BOS))        # and its document token
     data_dir = c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR)
@@ -493,8 +492,9 @@ def main(argv):
     results, done = {K: {} for K in loops_list}, []
     for mode in (m for m in MODES if m in run_modes):
         try:
-            for K, r in run(mode).items():
-                results[K].update(r)
+            with numerics:
+                for K, r in run(mode).items():
+                    results[K].update(r)
         except Exception as e:
             print0(f"eval.py: mode {mode!r} failed ({e}); saved in {json_path}: {done or 'nothing'}. Inputs are "
                    "downloaded unless given: without network, point at local files with --val_files=<parquet "

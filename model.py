@@ -15,8 +15,7 @@ The five variants differ only in two choices, made once per loop and once per la
 so there is one loop body, not one per variant.
 """
 import math
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -447,41 +446,13 @@ def precision(model, device_type, dtype):
 
 
 # ------------------------------------------------------------------------------------
-# Checkpoints: a directory out_dir/step_NNNNNN/ holding model.pt (+ optimizer and loader
-# state from train.py, and the tokenizer.json the model was trained with).
-
-def checkpoint_dir(path):
-    """A step directory as given, or the newest complete step_* directory inside a run's out_dir."""
-    if os.path.isfile(os.path.join(path, "model.pt")):
-        return path
-    steps = sorted(d for d in os.listdir(path) if d.startswith("step_")) if os.path.isdir(path) else []
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {path!r}: expected model.pt or step_* directories")
-    return os.path.join(path, steps[-1])
+# Accelerators: dense bf16 peak FLOP/s, for MFU and the run planner (train.py --dry_run).
+# (Checkpoint files are checkpoint.py's business.)
+PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+              ("A100", 312e12), ("L40S", 362e12), ("4090", 165e12), ("A10", 125e12))
 
 
-def model_state(model, **meta):
-    return dict(model=model.state_dict(), config=asdict(model.config), **meta)
-
-
-def load_model(path, device="cpu"):
-    """(model, meta) from a checkpoint directory; meta holds the step, settings, etc."""
-    path = checkpoint_dir(path)
-    meta = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=False)
-    model = GPT(GPTConfig(**meta.pop("config")))
-    model.load_state_dict(meta.pop("model"))
-    meta["path"] = path
-    return model.to(device), meta
-
-
-def peak_flops(device):
-    """Dense bf16 peak FLOP/s of one accelerator, for MFU; None where unknown (e.g. CPU)."""
-    if not str(device).startswith("cuda"):
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12),
-                       ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                       ("4090", 165e12), ("A10", 125e12)):
-        if key in name:
-            return flops
-    return None
+def peak_flops(name):
+    """Peak FLOP/s of an accelerator by (part of) its name, e.g. torch.cuda.get_device_name(), or
+    None if unknown (a CPU). More specific names come first: "H100 NVL" before "H100"."""
+    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name.lower()), None)

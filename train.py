@@ -20,7 +20,7 @@ import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, peak_flops
+from model import GPT, GPTConfig, peak_flops, precision
 from optim import build_optimizers, reduce_gradients
 
 # ----------------------------------------------------------------------------- settings
@@ -74,7 +74,10 @@ watch_layer = -1            # layer whose MLP/attention gradient norms are logge
                             # "5th layer" (index 4), or the last layer of a shallower model
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
-compile = "auto"            # torch.compile: auto (CUDA only; on CPU it costs more than it saves) | on | off
+compile = "auto"            # torch.compile of the blocks: auto (CUDA only; on CPU it costs more than it saves) | on | off
+dtype = "auto"              # bf16 | fp32 | auto (bf16 on CUDA, fp32 elsewhere); bf16 runs on CPU too
+dry_run = False             # print the run plan (size, horizon, FLOPs, data, memory, hours) and exit
+gpu = ""                    # dry_run: the accelerator to plan for, e.g. "H100"; empty = this machine's
 dist_timeout = 1800         # seconds a rank waits in a collective before the job ends with an error
 seed = 1337
 _defaults = dict(globals())
@@ -82,7 +85,7 @@ settings = configure(globals(), sys.argv[1:])
 # Settings a resumed run may change; everything else must match the checkpoint.
 RESUMABLE = {"resume", "overwrite", "keep_every", "out_root", "num_steps", "eval_interval", "eval_tokens", "final_eval_tokens",
              "save_interval", "keep_checkpoints", "sample_tokens", "device", "compile", "data_dir",
-             "out_dir", "divergence_window", "divergence_nats", "dist_timeout"}
+             "out_dir", "divergence_window", "divergence_nats", "dist_timeout", "dtype", "dry_run", "gpu"}
 
 
 def check_settings():
@@ -103,7 +106,7 @@ def check_settings():
     if watch_layer >= depth:
         bad("watch_layer", f"a layer index below depth={depth}, or -1")
     for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
-                         ("horizon_params", ("all", "non_embedding"))):
+                         ("horizon_params", ("all", "non_embedding")), ("dtype", ("auto", "bf16", "fp32"))):
         if settings[key] not in allowed:
             bad(key, " or ".join(map(repr, allowed)))
     if divergence_nats <= 0:
@@ -120,9 +123,68 @@ def check_settings():
                             ("loss_all_loops", loops == 1, "with loops=1"),
                             ("core_max_per_task", core_interval == 0, "unless core_interval > 0"),
                             ("bundle_dir", core_interval == 0, "unless core_interval > 0"),
-                            ("out_root", out_dir != "", "when out_dir is given")):
+                            ("out_root", out_dir != "", "when out_dir is given"),
+                            ("gpu", not dry_run, "unless dry_run=True")):
         if inert and settings[key] != _defaults[key]:
             raise ValueError(f"{key}={settings[key]!r} does nothing {why}: remove it, or set what it needs")
+
+
+def model_config(vocab_size):
+    n_head = math.ceil(64 * depth / 128)
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_head if n_kv_head == -1 else n_kv_head, n_embd=64 * depth, loops=loops,
+                     variant=variant, attn=attn, kv_rank=kv_rank, window_pattern=window_pattern,
+                     loss_all_loops=loss_all_loops, checkpoint_loops=checkpoint_loops)
+
+
+def size_and_horizon(config):
+    """(parameters, {"all", "non_embedding"} counts, num_steps): SPEC 6's horizon, tokens = 20 x
+    parameters, counting all of them as the authors' code does or, with horizon_params, only
+    those outside the token embedding as the paper's appendix says (README: "The horizon")."""
+    with torch.device("meta"):  # counts without spending memory
+        n_params = GPT(config).num_params()
+    horizon = {"all": n_params, "non_embedding": n_params - config.padded_vocab * config.n_embd}
+    steps = max(1, 20 * horizon[horizon_params] // total_batch_size) if num_steps == -1 else num_steps
+    return n_params, horizon, steps
+
+
+def plan():
+    """--dry_run: what this run costs, from the settings alone: nothing is downloaded or trained."""
+    if tokenizer == "bpe" or os.path.isfile(tokenizer):
+        vocab = bpe_vocab_size if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
+    elif "qwen3" in tokenizer.lower():
+        vocab = data.QWEN3_VOCAB
+    else:
+        raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
+    config = model_config(vocab)
+    n_params, horizon, steps = size_and_horizon(config)
+    with torch.device("meta"):
+        model = GPT(config)
+    tokens, gpus = steps * total_batch_size, world_size if world_size > 1 else 8
+    name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
+    flops = model.estimate_flops()
+    bf16 = "bf16" if dtype in ("auto", "bf16") else "fp32"
+    gib = {(c, k): model.estimate_memory(device_batch_size, bf16, compiled=c, checkpoint_loops=k,
+                                         world_size=gpus)["total"] / 2**30
+           for c in (False, True) for k in (False, True)}
+    shards = data.shards_for_tokens(tokens) if dataset == "fineweb" else 0
+    peak = peak_flops(name)
+    hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
+    print(f"run plan for {out_dir} (nothing downloaded or trained)\n"
+          f"  model       {config.variant}, K={config.loops}, depth {depth}, vocab {vocab:,} (padded "
+          f"{config.padded_vocab:,})\n"
+          f"  parameters  {n_params:,} all, {horizon['non_embedding']:,} without the token embedding\n"
+          f"  horizon     {steps:,} steps x {total_batch_size:,} tokens = {tokens:.3e} tokens "
+          f"(horizon_params={horizon_params!r}; the other count: "
+          f"{20 * horizon['non_embedding' if horizon_params == 'all' else 'all'] // total_batch_size:,} steps)\n"
+          f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
+          f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
+                               f"{(shards + 1) * data.SHARD_GB:.1f} GB" if shards else "the embedded corpus") + "\n"
+          f"  memory/GPU  device_batch_size={device_batch_size}, {bf16}, {gpus} GPUs (estimate, GiB):\n"
+          f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
+          f"compiled {gib[True, False]:.1f}, checkpoint_loops {gib[True, True]:.1f}\n"
+          f"  time        " + (f"{gpus} x {name}: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%"
+                               if peak else f"unknown accelerator {name!r} (--gpu=H100, A100, ...)"))
 
 
 check_settings()
@@ -160,6 +222,11 @@ def stop(message, code):
     sys.exit(code)
 
 
+if dry_run:
+    plan()
+    sys.exit(0)
+dtype = settings["dtype"] = ("bf16" if cuda else "fp32") if dtype == "auto" else dtype  # saved: eval uses it
+
 # The run directory: checked and locked before any minute is spent on data or the model.
 run_lock = None
 if master:
@@ -176,18 +243,8 @@ elif dataset == "embedded":  # the local BPE is trained on the training shards, 
     tok = data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size, bos=bos_token)
 else:
     tok = None  # trained once the shards are here; the horizon below counts bpe_vocab_size ids
-n_head = math.ceil(64 * depth / 128)
-config = GPTConfig(sequence_len=sequence_len, vocab_size=tok.vocab_size if tok else bpe_vocab_size,
-                   n_layer=depth, n_head=n_head, n_kv_head=n_head if n_kv_head == -1 else n_kv_head,
-                   n_embd=64 * depth, loops=loops, variant=variant, attn=attn, kv_rank=kv_rank,
-                   window_pattern=window_pattern, loss_all_loops=loss_all_loops,
-                   checkpoint_loops=checkpoint_loops)
-with torch.device("meta"):  # parameter counts and FLOPs before any memory is spent
-    n_params = GPT(config).num_params()
-n_embedding = config.padded_vocab * config.n_embd
-horizon = {"all": n_params, "non_embedding": n_params - n_embedding}
-if num_steps == -1:  # SPEC 6: tokens = 20 x parameters; which parameters: see the README
-    num_steps = max(1, 20 * horizon[horizon_params] // total_batch_size)
+config = model_config(tok.vocab_size if tok else bpe_vocab_size)
+n_params, horizon, num_steps = size_and_horizon(config)
 if dataset == "fineweb":
     n_train = num_shards if num_shards > 0 else data.shards_for_tokens(num_steps * total_batch_size)
     shards = data.download_shards(n_train, data_dir)
@@ -203,7 +260,6 @@ if ddp:
                             device_id=torch.device(device) if cuda else None)
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
-autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
 tokens_per_fwd = device_batch_size * sequence_len * world_size
 if total_batch_size % tokens_per_fwd:
     raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of device_batch_size * "
@@ -238,9 +294,8 @@ else:
         model = GPT(config)
     model.init_weights()
     step = 0
-start_step, raw_model, config = step, model, model.config
-if cuda:
-    model.transformer.wte.to(torch.bfloat16)  # SPEC 6: the embedding table lives in bf16 on CUDA
+start_step, config = step, model.config
+autocast = precision(model, device.split(":")[0], dtype)  # the same numerics eval.py will use
 flops_per_token = model.estimate_flops()  # counts the loops
 print0(f"{config.variant}, {config.loops} loops, {n_params:,} parameters, {horizon['non_embedding']:,} without "
        f"the embedding; {num_steps} steps of {total_batch_size:,} tokens = {num_steps * total_batch_size:,} "
@@ -248,7 +303,7 @@ print0(f"{config.variant}, {config.loops} loops, {n_params:,} parameters, {horiz
        f"{flops_per_token:.3e} FLOPs/token; {device} x {world_size}")
 
 optimizers = build_optimizers(model, distributed=ddp, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
-                              unembedding_lr=unembedding_lr)
+                              unembedding_lr=unembedding_lr, ns_dtype=torch.bfloat16 if dtype == "bf16" else None)
 loader_state = None
 if ckpt_path:
     rank_state = checkpoint.load_rank_state(ckpt_path, rank, device)
@@ -262,7 +317,7 @@ if ckpt_path:
     if cuda:
         torch.cuda.set_rng_state(rank_state["cuda_rng"].cpu())
 if compile == "on" or (compile == "auto" and cuda):
-    model = torch.compile(model, dynamic=False)
+    model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                          state=loader_state)
 
@@ -280,16 +335,17 @@ def muon_momentum(it):
 
 # Pre-clip gradient norms of the modules the paper's Figures 3 and 8 follow (SPEC 5).
 mid = watch_layer if watch_layer >= 0 else min(4, config.n_layer - 1)
-watched = {"mlp_first": raw_model.transformer.h[0].mlp, "lm_head": raw_model.lm_head,
-           "mlp_mid": raw_model.transformer.h[mid].mlp, "attn_mid": raw_model.transformer.h[mid].attn}
+watched = {"mlp_first": model.transformer.h[0].mlp, "lm_head": model.lm_head,
+           "mlp_mid": model.transformer.h[mid].mlp, "attn_mid": model.transformer.h[mid].attn}
 
 
 def validate(n_tokens):
     """Validation bits-per-byte at the trained loop count, on the same held-out tokens each time."""
     val = data.DataLoader(val_files, tok, device_batch_size, sequence_len, rank, world_size, device)
-    model.eval()  # evaluate_bpb applies bf16 autocast on CUDA itself
-    bpb = evaluation.evaluate_bpb(raw_model, (next(val) for _ in range(max(1, n_tokens // tokens_per_fwd))),
-                       token_bytes, [config.loops])
+    model.eval()
+    with autocast:
+        bpb = evaluation.evaluate_bpb(model, (next(val) for _ in range(max(1, n_tokens // tokens_per_fwd))),
+                                      token_bytes, [config.loops])
     model.train()
     return bpb[config.loops]
 
@@ -297,8 +353,9 @@ def validate(n_tokens):
 def core():
     """CORE at the trained loop count on the first core_max_per_task items of every task (Fig. 9)."""
     model.eval()
-    result = evaluation.evaluate_core(raw_model, tok, core_tasks, [config.loops], device_batch_size,
-                                      core_max_per_task, log=lambda *args: None)
+    with autocast:
+        result = evaluation.evaluate_core(model, tok, core_tasks, [config.loops], device_batch_size,
+                                          core_max_per_task, log=lambda *args: None)
     model.train()
     return result[config.loops]["CORE"]
 
@@ -307,7 +364,7 @@ def save(it):
     rank_state = dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
                       rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
                       world_size=world_size, monitor=monitor)
-    return checkpoint.save(out_dir, it, raw_model, rank_state, settings=settings, rank=rank,
+    return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank,
                            barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
                            keep_every=keep_every,
                            files={"tokenizer.json": tok.save})
@@ -328,7 +385,7 @@ def write_log(record):
         log.flush()
 
 
-peak, last_good = peak_flops(device), ckpt_path
+peak, last_good = peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves
     record = {"step": step}
@@ -357,7 +414,7 @@ while True:
     # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
     # non-finite), so every rank takes the same decision below. An overflowed stream can still
     # give a finite, useless loss, hence the residual norm.
-    stats = torch.stack([train_loss, raw_model.resid_norms.max().to(train_loss.device)])
+    stats = torch.stack([train_loss, model.resid_norms.max().to(train_loss.device)])
     if ddp:
         dist.all_reduce(stats)
     train_loss, resid = stats[0].item() / world_size, stats[1].item()
@@ -384,7 +441,7 @@ while True:
         torch.cuda.synchronize()
     dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
     tok_per_s = total_batch_size / dt
-    record.update(loss=train_loss, lrm=lrm, resid_norms=raw_model.resid_norms.tolist(),
+    record.update(loss=train_loss, lrm=lrm, resid_norms=model.resid_norms.tolist(),
                   tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
                   if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
@@ -412,7 +469,7 @@ if master and sample_tokens > 0:
     prompt = torch.tensor([[tok.bos_id] + tok.encode("The")], device=device)
     n = min(sample_tokens, config.sequence_len - prompt.size(1))
     with autocast:
-        sample = [t.item() for t in raw_model.generate(prompt, n, temperature=0.8, top_k=50, seed=seed)]
+        sample = [t.item() for t in model.generate(prompt, n, temperature=0.8, top_k=50, seed=seed)]
     print0("sample:", repr(tok.decode(prompt[0].tolist() + sample)))
 if ddp:
     dist.barrier()  # rank 0 may still be sampling; no rank tears gloo/NCCL down under another

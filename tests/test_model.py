@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, precision
+from model import GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, peak_flops, precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below
@@ -726,3 +726,9 @@ def test_training_forward_traces_without_graph_breaks(variant, attention, ckpt):
     explained = torch._dynamo.explain(model)(idx, idx, loops=3)
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_peak_flops_by_name():
+    assert peak_flops("NVIDIA H100 NVL") == 835e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA A10") == 125e12
+    assert peak_flops("cpu") is None

@@ -1,6 +1,7 @@
 """train.py end to end on CPU, tiny shapes: settings errors, learning, exact resume,
 2-process torchrun (gloo), and the NaN guard. Each run is a real subprocess."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -136,7 +137,7 @@ RUNNER = textwrap.dedent("""
     sys.argv[0] = "train.py"
     {patch}
     g = runpy.run_path("train.py", run_name="__main__")
-    torch.save(g["raw_model"].state_dict(), os.path.join(g["out_dir"], f"params_rank{{g['rank']}}.pt"))
+    torch.save(g["model"].state_dict(), os.path.join(g["out_dir"], f"params_rank{{g['rank']}}.pt"))
 """)
 
 
@@ -397,3 +398,40 @@ def test_core_during_training_equals_eval_on_the_same_weights(tmp_path, data_dir
     assert p.returncode == 0, p.stderr
     saved = json.loads((out / "step_000006" / "eval.json").read_text())
     assert saved["results"]["3"]["CORE"] == pytest.approx(core[6], abs=1e-12)
+
+
+def test_compiled_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir):
+    """The GPU recipe's code paths on CPU: regional torch.compile, bf16 autocast with a bf16
+    embedding and bf16 Newton-Schulz, per-loop checkpointing, 2 gloo ranks."""
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(patch=""))
+    out = tmp_path / "gpu_paths"
+    train(out, data_dir, "--num_steps=4", "--total_batch_size=256", "--compile=on", "--dtype=bf16",
+          "--checkpoint_loops", "--sample_tokens=0", script=str(script), nproc=2)
+    p0, p1 = (torch.load(out / f"params_rank{r}.pt") for r in (0, 1))
+    assert p0["transformer.wte.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    by_step, records = losses(out)
+    assert sorted(by_step) == [0, 1, 2, 3] and all(math.isfinite(v) for v in by_step.values())
+    saved = torch.load(out / "step_000004" / "model.pt", weights_only=True)
+    assert saved["settings"]["dtype"] == "bf16"
+
+
+def test_dry_run_plans_the_paper_run_without_touching_anything(tmp_path):
+    cmd = [sys.executable, "train.py", "config/flt_base.py", "--dry_run", f"--data_dir={tmp_path / 'data'}",
+           f"--out_root={tmp_path / 'out'}", "--gpu=H100"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert os.listdir(tmp_path) == []  # nothing downloaded, no run directory
+    # independent arithmetic: base = depth 12, d 768, Qwen3's 151,669 ids padded to 151,680, K = 9
+    d, L, V, K, T = 768, 12, 151680, 9, 1024
+    n_all = 2 * V * d + 12 * L * d * d
+    steps = 20 * n_all // 2**19
+    flops = 6 * (12 * L * d * d * K + V * d) + 12 * d * T * L * K
+    out = p.stdout
+    assert f"{n_all:,} all, {n_all - V * d:,} without the token embedding" in out
+    assert f"{steps:,} steps x 524,288 tokens" in out and steps == 12127
+    assert f"the other count: {20 * (n_all - V * d) // 2**19:,} steps" in out
+    assert f"{flops:.3e} per token" in out and 6.2e9 < flops < 6.4e9
+    assert f"{flops * steps * 2**19:.3e} in all" in out and 3.9e19 < flops * steps * 2**19 < 4.1e19
+    assert "FineWeb-Edu training shards" in out and "GPUs (estimate, GiB)" in out and "8 x H100" in out
