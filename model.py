@@ -300,8 +300,9 @@ class GPT(nn.Module):
           checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
           logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
             gradients (8V) in backward; compiled keeps the bf16 logits (bV) and peaks at +4V.
-        Checked against CPU measurements (bf16 autocast, eager) in tests/test_model.py; the
-        compiled counts are the partitioner's expected choice, not measured."""
+        Checked against CPU measurements (bf16 autocast, eager) in tests/test_model.py. The
+        compiled counts are the partitioner's expected choice, not calibrated: CPU inductor
+        (bench.py --mode=memory, regional) kept ~1.3-1.5x more."""
         c, K = self.config, self._loops(loops)
         ckpt = c.checkpoint_loops if checkpoint_loops is None else checkpoint_loops
         b = dtype_bytes(dtype)
