@@ -74,7 +74,7 @@ watch_layer = -1            # layer whose MLP/attention gradient norms are logge
                             # "5th layer" (index 4), or the last layer of a shallower model
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
-compile = "auto"            # torch.compile of the blocks: auto (CUDA only; on CPU it costs more than it saves) | on | off
+compile = "auto"            # torch.compile of the blocks: auto (CUDA only; costs more than it saves on CPU) | on | off
 dtype = "auto"              # bf16 | fp32 | auto (bf16 on CUDA, fp32 elsewhere); bf16 runs on CPU too
 dry_run = False             # print the run plan (size, horizon, FLOPs, data, memory, hours) and exit
 gpu = ""                    # dry_run: the accelerator to plan for, e.g. "H100"; empty = this machine's
@@ -83,9 +83,10 @@ seed = 1337
 _defaults = dict(globals())
 settings = configure(globals(), sys.argv[1:])
 # Settings a resumed run may change; everything else must match the checkpoint.
-RESUMABLE = {"resume", "overwrite", "keep_every", "out_root", "num_steps", "eval_interval", "eval_tokens", "final_eval_tokens",
-             "save_interval", "keep_checkpoints", "sample_tokens", "device", "compile", "data_dir",
-             "out_dir", "divergence_window", "divergence_nats", "dist_timeout", "dtype", "dry_run", "gpu"}
+RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
+             "final_eval_tokens", "save_interval", "keep_checkpoints", "keep_every", "sample_tokens", "device",
+             "compile", "dtype", "data_dir", "divergence_window", "divergence_nats", "dist_timeout", "dry_run",
+             "gpu"}
 
 
 def check_settings():
