@@ -435,3 +435,21 @@ def test_dry_run_plans_the_paper_run_without_touching_anything(tmp_path):
     assert f"{flops:.3e} per token" in out and 6.2e9 < flops < 6.4e9
     assert f"{flops * steps * 2**19:.3e} in all" in out and 3.9e19 < flops * steps * 2**19 < 4.1e19
     assert "FineWeb-Edu training shards" in out and "GPUs (estimate, GiB)" in out and "8 x H100" in out
+
+
+def test_eval_computes_the_function_training_computed(tmp_path, data_dir):
+    """A bf16 run's final validation bpb, recomputed by eval.py on the same tokens and batches:
+    equal only if eval runs the checkpoint in the training numerics (bf16 embedding, autocast)."""
+    out = tmp_path / "bf16"
+    train(out, data_dir, "--num_steps=3", "--save_interval=3", "--dtype=bf16", "--final_eval_tokens=1024",
+          "--sample_tokens=0")
+    _, records = losses(out)
+    val = os.path.join(data_dir, "embedded", "shard_00004.parquet")
+    for dtype, same in (("", True), ("fp32", False)):
+        p = subprocess.run([sys.executable, "eval.py", str(out), "--modes=bpb", "--loops=3", "--batch_size=4",
+                            "--bpb_tokens=1024", f"--val_files={val}", "--device=cpu", f"--dtype={dtype}",
+                            f"--out={tmp_path / (dtype or 'trained')}.json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        bpb = json.loads((tmp_path / f"{dtype or 'trained'}.json").read_text())["results"]["3"]["val_bpb"]
+        assert (bpb == records[-1]["final_val_bpb"]) is same, (dtype, bpb, records[-1]["final_val_bpb"])
