@@ -122,6 +122,7 @@ def check_settings():
                             ("bpe_vocab_size", tokenizer != "bpe", "unless tokenizer='bpe'"),
                             ("divergence_nats", divergence_window == 0, "unless divergence_window > 0"),
                             ("loss_all_loops", loops == 1, "with loops=1"),
+                            ("variant", loops == 1, "with loops=1 (one loop is the plain transformer)"),
                             ("core_max_per_task", core_interval == 0, "unless core_interval > 0"),
                             ("bundle_dir", core_interval == 0, "unless core_interval > 0"),
                             ("out_root", out_dir != "", "when out_dir is given"),

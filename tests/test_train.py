@@ -340,6 +340,7 @@ def test_two_runs_on_one_out_dir_are_refused(tmp_path, data_dir):
     (["--horizon_params=non_embedding", "--num_steps=5"], "horizon_params='non_embedding' does nothing"),
     (["--divergence_nats=2.0"], "divergence_nats=2.0 does nothing unless divergence_window > 0"),
     (["--loops=1", "--loss_all_loops"], "loss_all_loops=True does nothing with loops=1"),
+    (["--loops=1", "--variant=LT"], "variant='LT' does nothing with loops=1"),
     (["--watch_layer=1"], "watch_layer=1: expected a layer index below depth=1"),
 ])
 def test_bad_settings_fail_fast_naming_the_setting(tmp_path, data_dir, args, match):
