@@ -78,7 +78,7 @@ from checkpoint import load_model
 from model import precision
 
 # ----------------------------------------------------------------------------- settings
-modes = "bpb,wiki,core,sample"  # any of bpb, exit, wiki, core, sample
+modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
 loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
 device = ""                     # cuda | cpu | mps; empty = autodetect
 batch_size = 8                  # sequences per forward
@@ -98,7 +98,7 @@ out = ""                        # JSON path; empty = <step dir>/eval.json (eval.
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
 
-MODES = ("bpb", "exit", "wiki", "core", "sample")
+MODES = ("bpb", "wiki", "core", "sample", "exit")
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 TABLE_TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
                "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
