@@ -2,6 +2,7 @@
 Evaluate one looped checkpoint at several loop budgets K: a row of the paper's Table 1 per K.
 
     python eval.py out/flt_base --modes=bpb,wiki,core,sample --loops=1,3,6,9,12
+    python eval.py out/flt_base --modes=bpb,exit --loops=1,2,4,6,8 --exit_thresholds=0.3,0.1,0.03,0.01
     torchrun --nproc_per_node=8 eval.py out/flt_base/step_004000 --max_per_task=500
 
 The argument is a run's out_dir (its newest step_* is used) or a step directory, read with the
@@ -17,6 +18,10 @@ Protocols
   count) of the training data's last (validation) shard, in (batch_size, seq_len) windows from
   data.DataLoader. bpb = sum of target losses (nats) / (ln 2 * sum of the targets' UTF-8 bytes);
   0-byte targets (special tokens, e.g. BOS) are left out of both sums.
+- exit (depth per token, beyond the paper): val bpb on the bpb mode's tokens with the KL exit rule
+  (model.GPT.loop_states' exit_threshold) at most max(loops) loops, and the mean number of loops
+  per scored token, for each of exit_thresholds; stored under K = max(loops) as "exit": [{threshold,
+  val_bpb, mean_loops}]. One forward per threshold: where a token exits changes what later ones read.
 - WikiText-2 perplexity (the authors' protocol): the wikitext-2-v1 TEST split (the tokenized,
   non-raw variant with <unk>). Every row, empty ones included, becomes BOS + its tokens; all rows
   are concatenated into one stream, cut into contiguous non-overlapping windows of seq_len + 1
@@ -73,7 +78,7 @@ from checkpoint import load_model
 from model import precision
 
 # ----------------------------------------------------------------------------- settings
-modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample
+modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
 loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
 device = ""                     # cuda | cpu | mps; empty = autodetect
 batch_size = 8                  # sequences per forward
@@ -91,8 +96,9 @@ temperature = 0.0               # sample mode: 0 = greedy
 seed = 42                       # sample mode: sampling seed when temperature > 0
 out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
+exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
 
-MODES = ("bpb", "wiki", "core", "sample")
+MODES = ("bpb", "wiki", "core", "sample", "exit")
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 TABLE_TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
                "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
@@ -136,15 +142,42 @@ def loss_sums(model, batches, loops_list, weight):
     return sums[:-1].tolist(), sums[-1].item()
 
 
+def byte_counts(token_bytes, y):
+    """UTF-8 bytes of each target (B, T); 0 for special tokens and ignored (-1) targets."""
+    return torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+
+
 def evaluate_bpb(model, batches, token_bytes, loops_list):
     """{K: bits per byte} over a finite iterable of (x, y) batches; token_bytes (vocab,) is the
     UTF-8 byte count of each id (0 for special tokens), on the batches' device. Sums are
     all-reduced, so under torchrun each rank passes its own share of the batches."""
-    nats, n_bytes = loss_sums(model, batches, loops_list,
-                              lambda y: torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0))
+    nats, n_bytes = loss_sums(model, batches, loops_list, lambda y: byte_counts(token_bytes, y))
     if n_bytes == 0:
         raise ValueError("evaluate_bpb: the batches hold no target tokens with a byte count > 0")
     return {K: n / (math.log(2) * n_bytes) for K, n in zip(loops_list, nats)}
+
+
+@torch.no_grad()
+def evaluate_exit(model, batches, token_bytes, loops, thresholds):
+    """[{threshold, val_bpb, mean_loops}]: bpb as evaluate_bpb's, and the mean loops per scored
+    token, with the KL exit rule at each threshold and at most `loops` loops."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(2 * len(thresholds) + 2, dtype=torch.float64, device=device)
+    for x, y in batches:
+        n_bytes = byte_counts(token_bytes, y)
+        scored = n_bytes > 0
+        for i, threshold in enumerate(thresholds):
+            logits = model(x, loops=loops, exit_threshold=threshold)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+            sums[2 * i:2 * i + 2] += torch.stack([loss.view_as(y)[scored].sum(),
+                                                  model.exit_loops[scored].sum()]).double()
+        sums[-2:] += torch.stack([n_bytes.sum(), scored.sum()]).double()
+    all_reduce_sum(sums)
+    (n_bytes, n_tokens), s = sums[-2:].tolist(), sums[:-2].view(-1, 2).tolist()
+    if n_bytes == 0:
+        raise ValueError("evaluate_exit: the batches hold no target tokens with a byte count > 0")
+    return [{"threshold": t, "val_bpb": nats / (math.log(2) * n_bytes), "mean_loops": used / n_tokens}
+            for t, (nats, used) in zip(thresholds, s)]
 
 
 # ----------------------------------------------------------------------------- WikiText-2
@@ -427,6 +460,13 @@ def main(argv):
     if not loops_list or not all(v.isdigit() and int(v) >= 1 for v in loops_list):
         raise ValueError(f"--loops={c.loops!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
     loops_list = sorted(set(int(v) for v in loops_list))
+    try:
+        thresholds = [float(v) for v in c.exit_thresholds.split(",") if v.strip()]
+    except ValueError:
+        thresholds = None
+    if thresholds is None or ("exit" in run_modes) != bool(thresholds) or not all(t >= 0 for t in thresholds):
+        raise ValueError(f"--exit_thresholds={c.exit_thresholds!r}: the exit mode needs, and only it takes, "
+                         f"comma-separated KL thresholds >= 0, e.g. 0.1,0.03,0.01")
     dev = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev == "cuda":
         dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -461,13 +501,18 @@ def main(argv):
 
     def run(mode):
         """{K: {key: value}} of one mode."""
-        if mode == "bpb":
+        if mode in ("bpb", "exit"):  # the same validation tokens for both
             files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
             steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
-            loader = data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev)
-            bpb = evaluate_bpb(model, islice(loader, steps), tokenizer.token_bytes().to(dev), loops_list)
-            print0(f"val bpb ({steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}): "
-                   + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
+            batches = islice(data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev), steps)
+            what = f"{steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}"
+            if mode == "exit":
+                curve = evaluate_exit(model, batches, tokenizer.token_bytes().to(dev), loops_list[-1], thresholds)
+                print0(f"exit rule, K <= {loops_list[-1]} ({what}): " + "  ".join(
+                    f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops" for r in curve))
+                return {loops_list[-1]: {"exit": curve}}
+            bpb = evaluate_bpb(model, batches, tokenizer.token_bytes().to(dev), loops_list)
+            print0(f"val bpb ({what}): " + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
             return {K: {"val_bpb": v} for K, v in bpb.items()}
         if mode == "wiki":
             path = c.wiki_path or fetched(lambda: data.download(

@@ -15,6 +15,7 @@ The five variants differ only in two choices, made once per loop and once per la
 so there is one loop body, not one per variant.
 """
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -207,21 +208,42 @@ def injection(variant, layer):
 
 class KVCache:
     """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
-    a different stream. A forward writes its tokens at `pos`; the cache grows to sequence_len."""
+    a different stream. A forward writes its tokens at `pos`; the cache grows to sequence_len.
+
+    Depth per token (GPT.loop_states' exit_threshold): `done` (B, T) marks this forward's
+    positions that have stopped looping. Their keys/values at every later loop are copies of
+    their exit loop's (as Huginn's cache), so a later token reads the last state they reached."""
 
     def __init__(self, batch_size, loops, config):
-        self.loops, self.pos = loops, 0
+        self.loops, self.n_layer, self.pos, self.done = loops, config.n_layer, 0, None
         self.shape = (batch_size, config.n_kv_head, config.sequence_len, config.n_embd // config.n_head)
         self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, sequence_len, D)
 
+    def slot(self, loop, layer, like):
+        if (loop, layer) not in self.kv:
+            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
+        return self.kv[loop, layer]
+
     def update(self, loop, layer, k, v):
         """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far."""
-        if (loop, layer) not in self.kv:
-            self.kv[loop, layer] = (k.new_zeros(self.shape), v.new_zeros(self.shape))
-        k_all, v_all = self.kv[loop, layer]
+        k_all, v_all = self.slot(loop, layer, k)
         end = self.pos + k.size(2)
+        if self.done is not None and loop > 0:  # exited positions keep the previous loop's (= exit loop's)
+            k_prev, v_prev = self.kv[loop - 1, layer]
+            keep = self.done[:, None, :, None]
+            k = torch.where(keep, k_prev[:, :, self.pos:end], k)
+            v = torch.where(keep, v_prev[:, :, self.pos:end], v)
         k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
         return k_all[:, :, :end], v_all[:, :, :end], self.pos
+
+    def fill(self, last, n):
+        """Every position of this forward (n tokens from pos) exited by loop `last`: copy their
+        keys/values into the loops after it, which were not run."""
+        for loop in range(last + 1, self.loops):
+            for layer in range(self.n_layer):
+                prev = self.kv[loop - 1, layer]
+                for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
+                    dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
 
 
 class GPT(nn.Module):
@@ -239,7 +261,7 @@ class GPT(nn.Module):
         # (T, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
         self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
-        self.resid_norms = None
+        self.resid_norms = self.exit_loops = None
 
     @torch.no_grad()
     def init_weights(self):
@@ -274,15 +296,18 @@ class GPT(nn.Module):
             raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
         return K
 
-    def estimate_flops(self, loops=None):
+    def estimate_flops(self, loops=None, bptt_loops=None):
         """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
         The blocks run K times; the LM head once per supervised loop; attention scores cost
-        12 * d_model * (visible keys) per layer and loop (nanochat's convention)."""
+        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
+        backpropagation only the last bptt_loops loops are differentiated: the loops before them
+        run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
         c, K = self.config, self._loops(loops)
+        G = K if bptt_loops is None else min(K, bptt_loops)
         block = sum(p.numel() for p in self.transformer.h.parameters())
         head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
         attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
-        return 6 * (block * K + head) + attn * K
+        return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
 
     def estimate_memory(self, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
                         world_size=1, device_type="cuda"):
@@ -334,35 +359,77 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size, loops=None):
         return KVCache(batch_size, self._loops(loops), self.config)
 
-    def loop_states(self, idx, loops=None, kv_cache=None):
+    def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
         """[h(1), ..., h(K)], h(t) = norm(stream at the end of loop t), from one pass.
-        Each is a valid prediction point (feed it to `head`). Records self.resid_norms."""
+        Each is a valid prediction point (feed it to `head`). Records self.resid_norms.
+
+        bptt_loops: truncated backpropagation (Huginn): only the last bptt_loops loops build a
+        graph; the loops before them run under no_grad, so their output enters the window as a
+        constant. None = every loop.
+        exit_threshold: depth per token. From loop 2 on, a position stops looping once
+        KL(p(t-1) || p(t)) of its LM-head distributions is below the threshold (Huginn's KL exit);
+        from then on its h(t) stays h(exit loop) and its keys/values at later loops are copies of
+        its exit loop's (KVCache.done), so a later token attends to the last state it reached. K is
+        then the most loops a token runs. A full forward gets a KV cache of its own, so cached
+        decoding and a full forward compute the same function. Records self.exit_loops (B, T)."""
         c, K = self.config, self._loops(loops)
         B, T = idx.shape
+        if exit_threshold is not None and kv_cache is None:
+            kv_cache = self.new_kv_cache(B, K)
         pos = 0 if kv_cache is None else kv_cache.pos
         if pos + T > c.sequence_len:
             raise ValueError(f"input of {pos + T} tokens exceeds sequence_len={c.sequence_len}")
         if kv_cache is not None and kv_cache.loops != K:  # fewer would leave later loops' entries unwritten
             raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
+        if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):
+            raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
+        no_grad_loops = 0 if bptt_loops is None else max(0, K - bptt_loops)
+        done = logp = None
+        if exit_threshold is not None:
+            done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
+            self.exit_loops = torch.full((B, T), K, device=idx.device)
+        if kv_cache is not None:
+            kv_cache.done = done
         rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
         e = self.transformer.wte(idx)
         x0, hs, norms = norm(e), [], []
         for t in range(K):
             h_prev = hs[-1] if hs else None
-            x = x0 if t == 0 else restart(c.variant, e, x0, h_prev)
-            caches = [None if kv_cache is None else partial(kv_cache.update, t, i)
-                      for i in range(c.n_layer)]
-            if c.checkpoint_loops and self.training and torch.is_grad_enabled():
-                # The recomputation gets x and h_prev as saved inputs, so it sees this loop's h(t-1).
-                x = checkpoint(self._loop, x, h_prev, t, rope, caches, use_reentrant=False)
-            else:
-                x = self._loop(x, h_prev, t, rope, caches)
+            with torch.no_grad() if t < no_grad_loops else nullcontext():
+                x = x0 if t == 0 else restart(c.variant, e, x0, h_prev)
+                caches = [None if kv_cache is None else partial(kv_cache.update, t, i)
+                          for i in range(c.n_layer)]
+                if c.checkpoint_loops and self.training and torch.is_grad_enabled():
+                    # The recomputation gets x and h_prev as saved inputs, so it sees this loop's h(t-1).
+                    x = checkpoint(self._loop, x, h_prev, t, rope, caches, use_reentrant=False)
+                else:
+                    x = self._loop(x, h_prev, t, rope, caches)
             norms.append(x.detach().float().norm(dim=-1).mean())  # SPEC 5: residual-state norm
             hs.append(norm(x))
+            if done is not None:
+                done, logp = self._exit(hs, done, logp, exit_threshold)
+                kv_cache.done = done
+                if done.all() and t + 1 < K:  # nobody loops on: later loops' entries are copies
+                    kv_cache.fill(t, T)
+                    hs += hs[-1:] * (K - t - 1)
+                    break
         if kv_cache is not None:
             kv_cache.pos += T
         self.resid_norms = torch.stack(norms)
         return hs
+
+    def _exit(self, hs, done, logp_prev, threshold):
+        """The exit rule after loop t = len(hs): the positions done before it keep their h; those whose
+        prediction moved less than threshold (KL, nats) since loop t-1 exit at t. Returns the new
+        done mask and the log-probabilities the next check compares against."""
+        logp = F.log_softmax(self.head(hs[-1]), dim=-1)
+        if logp_prev is None:  # loop 1: nothing to compare with yet
+            return done, logp
+        kl = F.kl_div(logp, logp_prev, log_target=True, reduction="none").sum(-1)  # KL(p(t-1) || p(t))
+        exits = ~done & (kl.clamp(min=0) < threshold)  # clamped: threshold 0 never exits on rounding
+        hs[-1] = torch.where(done[..., None], hs[-2], hs[-1])
+        self.exit_loops[exits] = len(hs)
+        return done | exits, logp  # a done position is never checked again
 
     def _loop(self, x, h_prev, t, rope, caches):
         """One pass through the L blocks: the loop body, shared by all five variants."""
@@ -391,10 +458,12 @@ class GPT(nn.Module):
     def loss(self, h, targets):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
-    def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None):
+    def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None, bptt_loops=None,
+                exit_threshold=None):
         """Logits (B, T, V) of the last loop, or the loss if targets are given.
-        all_loops=True: a list of K logits, or a (K,) tensor of per-loop losses, from one pass."""
-        hs = self.loop_states(idx, loops, kv_cache)
+        all_loops=True: a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
+        bptt_loops, exit_threshold: see loop_states."""
+        hs = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
         if not (all_loops or (targets is not None and self.config.loss_all_loops)):
             hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
         outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
@@ -403,8 +472,10 @@ class GPT(nn.Module):
         return torch.stack(outputs).mean() if targets is not None else outputs[-1]
 
     @torch.inference_mode()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None):
-        """Stream (B, 1) tokens with a KV cache of K*L entries: a prefill, then one token a step."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
+                 exit_threshold=None):
+        """Stream (B, 1) tokens with a KV cache of K*L entries: a prefill, then one token a step.
+        exit_threshold: depth per token, at most K loops (loop_states)."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
@@ -412,7 +483,7 @@ class GPT(nn.Module):
         if seed is not None:
             rng = torch.Generator(device=idx.device).manual_seed(seed)
         cache = self.new_kv_cache(idx.size(0), loops)
-        logits = self(idx, loops=loops, kv_cache=cache)[:, -1]
+        logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
         for step in range(max_new_tokens):
             if temperature == 0:
                 token = logits.argmax(dim=-1, keepdim=True)
@@ -424,7 +495,33 @@ class GPT(nn.Module):
                 token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
             yield token
             if step + 1 < max_new_tokens:
-                logits = self(token, loops=loops, kv_cache=cache)[:, -1]
+                logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
+
+
+# ------------------------------------------------------------------------------------
+# Training over variable loop counts (beyond the paper, which trains at one K; Huginn,
+# Geiping et al. 2025, samples K per step): train.py's loops_sampler.
+LOOP_SAMPLERS = ("fixed", "uniform", "lognormal_poisson")
+
+
+def sample_loops(sampler, step, seed, loops, loops_min=1, loops_max=-1):
+    """K for one optimizer step, drawn from (seed, step) alone with a generator of its own: every
+    rank draws the same K, and a resumed run redraws the K of each step it repeats.
+      fixed              loops
+      uniform            an integer uniform on [loops_min, loops_max]
+      lognormal_poisson  Huginn's: K = 1 + Poisson(r), r ~ LogNormal(mu, 0.5), mu = log(loops - 1)
+                         - 0.5^2 / 2, so E[r] = loops - 1 and E[K] = loops (Huginn sets E[r] to its
+                         mean_recurrence, so its K averages one more). Right-skewed; loops_max > 0
+                         caps it (and lowers the mean a little)."""
+    if sampler == "fixed":
+        return loops
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if sampler == "uniform":
+        return int(torch.randint(loops_min, loops_max + 1, (), generator=g))
+    sigma = 0.5
+    rate = torch.empty(()).log_normal_(math.log(loops - 1) - sigma**2 / 2, sigma, generator=g)
+    K = 1 + int(torch.poisson(rate, generator=g))
+    return min(K, loops_max) if loops_max > 0 else K
 
 
 def dtype_bytes(dtype):

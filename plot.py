@@ -4,12 +4,13 @@ matplotlib: pip install -r requirements-plot.txt):
     python plot.py diag out/diag_lt_k6 out/diag_lt_k9 out/diag_lt_k12 out/diag_flt_k12 -o diag.png  # Figs. 2-4
     python plot.py loss out/lt_k12 out/lt_i_k12 out/lt_ai_k12 out/flt_res_k12 out/flt_k12 -o loss.png  # Figs. 5, 10
     python plot.py sweep out/flt_k3 out/flt_k6 out/flt_k9 out/flt_k12 --metric avg -o sweep.png  # Fig. 6
+    python plot.py exit out/flt_k4 out/flt_k4_sampled -o exit.png     # bpb against loops per token
     python plot.py resid out/diag_lt_k12 out/diag_flt_k12 --loops 6 9 12 -o resid.png     # Fig. 7
     python plot.py grads out/diag_lt_k12 out/diag_flt_k12 -o grads.png                    # Fig. 8
     python plot.py core out/table1_base_lt_k6 out/table1_base_flt_k6 -o core.png          # Fig. 9
     python plot.py table out/table1_base_* --paper -o table1.md                          # Tables 1, 2
 Inputs are runs: train.py's out_dir, or a file or step_* directory inside it. The curves (diag, loss,
-resid, grads, core) read the run's log.jsonl; sweep and table read eval.py's eval.json (given, in the
+resid, grads, core) read the run's log.jsonl; sweep, exit and table read eval.py's eval.json (given, in the
 step directory given, or in the run's newest step_* that has one). A run is labelled
 "<variant> K=<loops>" from the settings.json train.py writes into out_dir, else by its directory's
 name; --labels overrides. Training losses are smoothed by an EMA with beta 0.9, as in the paper.
@@ -76,8 +77,12 @@ def run_name(path):
 
 
 def default_label(path):
+    """<model> K=<loops>, with the loop sampler of a run trained over variable loop counts."""
     settings = run_settings(path)
-    return f"{run_name(path)} K={settings['loops']}" if settings else run_name(path)
+    if not settings:
+        return run_name(path)
+    sampler = settings.get("loops_sampler", "fixed")
+    return f"{run_name(path)} K={settings['loops']}" + (f" ({sampler})" if sampler != "fixed" else "")
 
 
 def read_log(path):
@@ -223,6 +228,25 @@ def sweep(evals, labels, name):
     return fig
 
 
+def exit_curves(evals, labels):
+    """Depth per token: val bpb against loops per token, for each run its fixed-K sweep (every token
+    runs K loops) and its exit rule's curve (mean loops per token over eval.py's exit_thresholds)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for i, (path, label) in enumerate(zip(evals, labels)):
+        results = read_eval(path)
+        fixed = {K: r["val_bpb"] for K, r in results.items() if "val_bpb" in r}
+        curve = sorted((p["mean_loops"], p["val_bpb"]) for r in results.values() for p in r.get("exit", ()))
+        if not curve:
+            raise ValueError(f"{path}: no exit curve in its eval.json; run eval.py --modes=bpb,exit --exit_thresholds=...")
+        ax.plot(list(fixed), list(fixed.values()), "o--", color=f"C{i}", label=f"{label}: K loops for every token")
+        ax.plot(*zip(*curve), "s-", color=f"C{i}", label=f"{label}: exit rule (mean loops per token)")
+    ax.set(title="Loops per token against val bpb", xlabel="loops per token", ylabel="val bpb")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
 # ----------------------------------------------------------------------------- Table 1
 def table(evals, labels, paper=False):
     """Markdown in the paper's Table 1 layout, one row per run at its training K (every evaluated K
@@ -268,6 +292,7 @@ def main(argv):
              "resid": "residual-state norm at chosen loops over training (Fig. 7)",
              "grads": "gradient norms of the LM head and the 5th layer's FFN and attention (Fig. 8)",
              "core": "CORE during training (Fig. 9)",
+             "exit": "val bpb against loops per token: fixed K and the exit rule (eval.py --modes=bpb,exit)",
              "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)"}
     for command, text in helps.items():
         p = commands.add_parser(command, help=text, description=text)
@@ -292,6 +317,8 @@ def main(argv):
     labels = args.labels or [default_label(p) for p in args.runs]
     if args.command == "sweep":
         fig = sweep(args.runs, labels, args.metric)
+    elif args.command == "exit":
+        fig = exit_curves(args.runs, labels)
     else:
         fig = curves(args.command, args.runs, labels, getattr(args, "loops", ()))
     save(fig, args.out)

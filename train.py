@@ -20,7 +20,7 @@ import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, peak_flops, precision
+from model import GPT, GPTConfig, LOOP_SAMPLERS, peak_flops, precision, sample_loops
 from optim import build_optimizers, reduce_gradients
 
 # ----------------------------------------------------------------------------- settings
@@ -57,6 +57,11 @@ kv_rank = 128               # MLA latent rank
 window_pattern = "L"        # L = full, S = sliding window of sequence_len // 4
 loss_all_loops = False      # loss = mean over every loop's output (default: the last loop only)
 checkpoint_loops = False    # per-loop activation checkpointing
+loops_sampler = "fixed"     # K per optimizer step: fixed (= loops) | uniform (on [loops_min, loops_max]) |
+                            # lognormal_poisson (Huginn's, mean = loops); eval and validation run at loops
+loops_min = 1               # uniform: the smallest K
+loops_max = -1              # uniform: the largest K; lognormal_poisson: a cap (-1 = none)
+bptt_loops = -1             # truncated backprop: gradients through the last N loops only (-1 = all)
 # optimisation (SPEC 6)
 total_batch_size = 8 * 256  # tokens per optimizer step (the paper: 2**19)
 device_batch_size = 8       # sequences per forward on one device
@@ -101,15 +106,20 @@ def check_settings():
     for key in ("keep_checkpoints", "keep_every", "core_interval", "divergence_window"):
         if settings[key] < 0:
             bad(key, "an integer >= 0 (0 = off / keep all)")
-    for key in ("n_kv_head", "num_steps", "num_shards", "watch_layer"):
+    for key in ("n_kv_head", "num_steps", "num_shards", "watch_layer", "bptt_loops"):
         if settings[key] == 0 or settings[key] < -1:
             bad(key, "-1 (automatic) or a positive integer" if key != "watch_layer" else "-1 or a layer index")
     if watch_layer >= depth:
         bad("watch_layer", f"a layer index below depth={depth}, or -1")
     for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
-                         ("horizon_params", ("all", "non_embedding")), ("dtype", ("auto", "bf16", "fp32"))):
+                         ("horizon_params", ("all", "non_embedding")), ("dtype", ("auto", "bf16", "fp32")),
+                         ("loops_sampler", LOOP_SAMPLERS)):
         if settings[key] not in allowed:
             bad(key, " or ".join(map(repr, allowed)))
+    if loops_sampler == "uniform" and not 1 <= loops_min <= loops_max:
+        bad("loops_max", f"an integer >= loops_min={loops_min} >= 1 with loops_sampler='uniform'")
+    if loops_sampler == "lognormal_poisson" and loops < 2:
+        bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
     if divergence_nats <= 0:
         bad("divergence_nats", "a positive number of nats")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -126,7 +136,11 @@ def check_settings():
                             ("core_max_per_task", core_interval == 0, "unless core_interval > 0"),
                             ("bundle_dir", core_interval == 0, "unless core_interval > 0"),
                             ("out_root", out_dir != "", "when out_dir is given"),
-                            ("gpu", not dry_run, "unless dry_run=True")):
+                            ("gpu", not dry_run, "unless dry_run=True"),
+                            ("loops_min", loops_sampler != "uniform", "unless loops_sampler='uniform'"),
+                            ("loops_max", loops_sampler == "fixed", "with loops_sampler='fixed'"),
+                            ("bptt_loops", loops_sampler == "fixed" and bptt_loops >= loops,
+                             "with loops_sampler='fixed' unless below loops")):
         if inert and settings[key] != _defaults[key]:
             raise ValueError(f"{key}={settings[key]!r} does nothing {why}: remove it, or set what it needs")
 
@@ -407,10 +421,12 @@ while True:
 
     t0 = time.time()
     train_loss = torch.zeros((), device=device)
+    K = sample_loops(loops_sampler, step, seed, loops, loops_min, loops_max)  # the same on every rank
+    bptt = None if bptt_loops == -1 else bptt_loops
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
         x, y = next(loader)
         with autocast:
-            loss = model(x, y) / grad_accum
+            loss = model(x, y, loops=K, bptt_loops=bptt) / grad_accum
         loss.backward()
         train_loss += loss.detach()
     # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
@@ -443,13 +459,14 @@ while True:
         torch.cuda.synchronize()
     dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
     tok_per_s = total_batch_size / dt
-    record.update(loss=train_loss, lrm=lrm, resid_norms=model.resid_norms.tolist(),
+    flops_per_token = model.estimate_flops(K, bptt)  # the K actually run, backprop as run
+    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=model.resid_norms.tolist(),
                   tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
                   if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
         record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
-    print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | lrm {lrm:.2f} | grad {record['grad_norm']:.2f}"
+    print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | K {K} | lrm {lrm:.2f} | grad {record['grad_norm']:.2f}"
            f" | resid {record['resid_norms'][-1]:.1f} | {tok_per_s:,.0f} tok/s{mfu}")
     write_log(record)
     # Divergence: the smoothed loss far above its running minimum for divergence_window steps.
