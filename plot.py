@@ -1,14 +1,14 @@
 """
 Redraw the paper's figures and tables from this repo's outputs, one subcommand each (figures need
 matplotlib: pip install -r requirements-plot.txt):
-    python plot.py diag out/diag_lt_k6 out/diag_lt_k9 out/diag_lt_k12 out/diag_flt_k12 -o diag.png  # Figs. 2-4
-    python plot.py loss out/lt_k12 out/lt_i_k12 out/lt_ai_k12 out/flt_res_k12 out/flt_k12 -o loss.png  # Figs. 5, 10
-    python plot.py sweep out/flt_k3 out/flt_k6 out/flt_k9 out/flt_k12 --metric avg -o sweep.png  # Fig. 6
-    python plot.py exit out/flt_k4 out/flt_k4_sampled -o exit.png     # bpb against loops per token
-    python plot.py resid out/diag_lt_k12 out/diag_flt_k12 --loops 6 9 12 -o resid.png     # Fig. 7
-    python plot.py grads out/diag_lt_k12 out/diag_flt_k12 -o grads.png                    # Fig. 8
-    python plot.py core out/table1_base_lt_k6 out/table1_base_flt_k6 -o core.png          # Fig. 9
-    python plot.py table out/table1_base_* --paper -o table1.md                          # Tables 1, 2
+    python plot.py diag out/diag/small_lt_k{6,9,12} out/diag/small_flt_k12 -o fig2.png  # Figs. 2-4
+    python plot.py loss out/fig5/* -o fig5.png                          # Figs. 5, 10: training loss
+    python plot.py sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
+    python plot.py exit out/loops/fixed out/loops/sampled -o exit.png  # bpb against loops per token
+    python plot.py resid out/diag/small_*_k12 --loops 6 9 12 -o fig7.png      # Fig. 7
+    python plot.py grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
+    python plot.py core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training
+    python plot.py table out/*_k[369] --paper -o table1.md                    # Tables 1, 2
 Inputs are runs: train.py's out_dir, or a file or step_* directory inside it. The curves (diag, loss,
 resid, grads, core) read the run's log.jsonl; sweep, exit and table read eval.py's eval.json (given, in the
 step directory given, or in the run's newest step_* that has one). A run is labelled
