@@ -61,7 +61,7 @@ def run_settings(path):
 def model_name(settings):
     """The loop variant, with the attention where it is not plain MHA: FLT, FLT GQA(2), FLT MLA, FLT SWA(SSSL)."""
     name = settings["variant"]
-    if settings.get("n_kv_head"):
+    if settings.get("n_kv_head", -1) not in (-1, None):  # -1 (None before) = as many as query heads
         name += f" GQA({settings['n_kv_head']})"
     if settings.get("attn", "full") != "full":
         name += " " + settings["attn"].upper()

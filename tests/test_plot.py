@@ -97,6 +97,7 @@ def test_labels_come_from_settings_json(tmp_path):
     assert plot.default_label(str(run / "log.jsonl")) == "LT_i K=9"
     settings = dict(variant="FLT", loops=12, n_kv_head=2, attn="mla", window_pattern="SSSL")
     assert plot.model_name(settings) == "FLT GQA(2) MLA SWA(SSSL)"
+    assert plot.model_name(dict(variant="LT", loops=3, n_kv_head=-1, attn="full", window_pattern="L")) == "LT"
     write_log(tmp_path / "bare" / "log.jsonl", [1.0])
     assert plot.default_label(str(tmp_path / "bare" / "step_000010")) == "bare"  # no settings.json
 
