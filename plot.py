@@ -4,7 +4,7 @@ matplotlib: pip install -r requirements-plot.txt):
     python plot.py diag out/diag/small_lt_k{6,9,12} out/diag/small_flt_k12 -o fig2.png  # Figs. 2-4
     python plot.py loss out/fig5/* -o fig5.png                          # Figs. 5, 10: training loss
     python plot.py sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
-    python plot.py exit out/loops/fixed out/loops/sampled -o exit.png  # bpb against loops per token
+    python plot.py exit out/loops/d2_flt_k4* -o exit.png              # bpb against loops per token
     python plot.py resid out/diag/small_*_k12 --loops 6 9 12 -o fig7.png      # Fig. 7
     python plot.py grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
     python plot.py core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training

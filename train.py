@@ -208,7 +208,8 @@ check_settings()
 if not out_dir:  # one directory per run, named by what makes it different: a grid never collides
     size = {6: "small", 12: "base"}.get(depth, f"d{depth}")
     attention = (f"_gqa{n_kv_head}" if n_kv_head != -1 else "") + ("_mla" if attn == "mla" else "") + \
-        (f"_swa_{window_pattern}" if window_pattern != "L" else "")
+        (f"_swa_{window_pattern}" if window_pattern != "L" else "") + \
+        (f"_{loops_sampler}" if loops_sampler != "fixed" else "")
     out_dir = os.path.join(out_root, f"{size}_{variant.lower()}_k{loops}{attention}")
     settings["out_dir"] = out_dir
 

@@ -454,3 +454,9 @@ def test_eval_computes_the_function_training_computed(tmp_path, data_dir):
         assert p.returncode == 0, p.stderr
         bpb = json.loads((tmp_path / f"{dtype or 'trained'}.json").read_text())["results"]["3"]["val_bpb"]
         assert (bpb == records[-1]["final_val_bpb"]) is same, (dtype, bpb, records[-1]["final_val_bpb"])
+
+
+def test_a_sampled_loop_count_names_its_run_directory():
+    p = subprocess.run([sys.executable, "train.py", "--loops_sampler=uniform", "--loops_max=5", "--dry_run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "run plan for out/d3_flt_k3_uniform " in p.stdout, p.stderr
