@@ -29,10 +29,16 @@ from dataclasses import asdict
 
 import torch
 
+from model import GPT, GPTConfig
+
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
 # authors' code does. Format-1 weights were trained with the opposite rotation.
 FORMAT = 2
 _STEP = re.compile(r"step_(\d+)")
+
+
+class FormatError(ValueError):
+    """A checkpoint of another format: never skipped past as if it were merely unreadable."""
 
 
 def step_name(step):
@@ -66,7 +72,7 @@ def read_model_file(step_dir, device="cpu"):
     if not isinstance(meta, dict) or "model" not in meta or "config" not in meta:
         raise ValueError(f"{path}: not a model checkpoint (expected a dict with 'model' and 'config')")
     if meta.get("format", 1) != FORMAT:
-        raise ValueError(f"{path} has checkpoint format {meta.get('format', 1)}, this code reads format "
+        raise FormatError(f"{path} has checkpoint format {meta.get('format', 1)}, this code reads format "
                          f"{FORMAT}: format-1 weights were trained with RoPE rotating the other way "
                          f"and would give different logits here; retrain, or use the code they came from")
     return meta
@@ -95,9 +101,9 @@ def load_newest(path, device="cpu", world_size=None, log=print):
                     rank_file = os.path.join(step_dir, f"rank{r}.pt")
                     if not os.path.isfile(rank_file) or os.path.getsize(rank_file) == 0:
                         raise ValueError(f"{rank_file}: missing or empty (saved by a different world size?)")
+        except FormatError:
+            raise
         except ValueError as e:
-            if "checkpoint format" in str(e):
-                raise  # an old format is no accident to skip past
             errors.append(str(e))
             log(f"skipping {step_dir}: {e}")
             continue
@@ -110,7 +116,6 @@ def load_newest(path, device="cpu", world_size=None, log=print):
 def load_model(path, device="cpu", log=print):
     """(model, meta) from a step directory or a run's out_dir (its newest readable checkpoint);
     meta holds the step, the settings and `path`, the step directory used."""
-    from model import GPT, GPTConfig  # here, so model.py stays free of file handling
     step_dir, meta = load_newest(path, device, log=log)
     model = GPT(GPTConfig(**meta.pop("config")))
     model.load_state_dict(meta.pop("model"))

@@ -155,14 +155,15 @@ def model_config(vocab_size):
 
 
 def size_and_horizon(config):
-    """(parameters, {"all", "non_embedding"} counts, num_steps): SPEC 6's horizon, tokens = 20 x
-    parameters, counting all of them as the authors' code does or, with horizon_params, only
-    those outside the token embedding as the paper's appendix says (README: "The horizon")."""
-    with torch.device("meta"):  # counts without spending memory
-        n_params = GPT(config).num_params()
+    """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): SPEC 6's
+    horizon, tokens = 20 x parameters, counting all of them as the authors' code does or, with
+    horizon_params, only those outside the token embedding as the appendix says (README)."""
+    with torch.device("meta"):  # counts and estimates without spending memory
+        model = GPT(config)
+    n_params = model.num_params()
     horizon = {"all": n_params, "non_embedding": n_params - config.padded_vocab * config.n_embd}
     steps = max(1, 20 * horizon[horizon_params] // total_batch_size) if num_steps == -1 else num_steps
-    return n_params, horizon, steps
+    return model, horizon, steps
 
 
 def plan():
@@ -174,9 +175,7 @@ def plan():
     else:
         raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
     config = model_config(vocab)
-    n_params, horizon, steps = size_and_horizon(config)
-    with torch.device("meta"):
-        model = GPT(config)
+    model, horizon, steps = size_and_horizon(config)
     tokens, gpus = steps * total_batch_size, world_size if world_size > 1 else 8
     name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
     flops = model.estimate_flops()
@@ -190,7 +189,7 @@ def plan():
     print(f"run plan for {out_dir} (nothing downloaded or trained)\n"
           f"  model       {config.variant}, K={config.loops}, depth {depth}, vocab {vocab:,} (padded "
           f"{config.padded_vocab:,})\n"
-          f"  parameters  {n_params:,} all, {horizon['non_embedding']:,} without the token embedding\n"
+          f"  parameters  {horizon['all']:,} all, {horizon['non_embedding']:,} without the token embedding\n"
           f"  horizon     {steps:,} steps x {total_batch_size:,} tokens = {tokens:.3e} tokens "
           f"(horizon_params={horizon_params!r}; the other count: "
           f"{20 * horizon['non_embedding' if horizon_params == 'all' else 'all'] // total_batch_size:,} steps)\n"
@@ -262,7 +261,7 @@ elif dataset == "embedded":  # the local BPE is trained on the training shards, 
 else:
     tok = None  # trained once the shards are here; the horizon below counts bpe_vocab_size ids
 config = model_config(tok.vocab_size if tok else bpe_vocab_size)
-n_params, horizon, num_steps = size_and_horizon(config)
+_, horizon, num_steps = size_and_horizon(config)
 if dataset == "fineweb":
     n_train = num_shards if num_shards > 0 else data.shards_for_tokens(num_steps * total_batch_size)
     shards = data.download_shards(n_train, data_dir)
@@ -315,7 +314,7 @@ else:
 start_step, config = step, model.config
 autocast = precision(model, device.split(":")[0], dtype)  # the same numerics eval.py will use
 flops_per_token = model.estimate_flops()  # counts the loops
-print0(f"{config.variant}, {config.loops} loops, {n_params:,} parameters, {horizon['non_embedding']:,} without "
+print0(f"{config.variant}, {config.loops} loops, {horizon['all']:,} parameters, {horizon['non_embedding']:,} without "
        f"the embedding; {num_steps} steps of {total_batch_size:,} tokens = {num_steps * total_batch_size:,} "
        f"tokens (horizon_params={horizon_params!r}); grad accumulation {grad_accum}; "
        f"{flops_per_token:.3e} FLOPs/token; {device} x {world_size}")
@@ -325,11 +324,8 @@ optimizers = build_optimizers(model, distributed=ddp, matrix_lr=matrix_lr, embed
 loader_state = None
 if ckpt_path:
     rank_state = checkpoint.load_rank_state(ckpt_path, rank, device)
-    if rank_state["world_size"] != world_size:
-        raise ValueError(f"{ckpt_path} was saved by {rank_state['world_size']} ranks, this run has "
-                         f"{world_size}: resume with the same world size")
     for opt, state in zip(optimizers, rank_state["optimizers"]):
-        opt.load_state_dict(state)
+        opt.load_state_dict(state)  # refuses a state saved by another world size or rank
     loader_state, monitor = rank_state["loader"], rank_state["monitor"]
     torch.set_rng_state(rank_state["rng"].cpu())
     if cuda:
@@ -381,7 +377,7 @@ def core():
 def save(it):
     rank_state = dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
                       rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
-                      world_size=world_size, monitor=monitor)
+                      monitor=monitor)
     return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank,
                            barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
                            keep_every=keep_every,
@@ -403,6 +399,7 @@ def write_log(record):
         log.flush()
 
 
+bptt = None if bptt_loops == -1 else bptt_loops
 peak, last_good = peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves
@@ -424,7 +421,6 @@ while True:
     t0 = time.time()
     train_loss = torch.zeros((), device=device)
     K = sample_loops(loops_sampler, step, seed, loops, loops_min, loops_max)  # the same on every rank
-    bptt = None if bptt_loops == -1 else bptt_loops
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
         x, y = next(loader)
         with autocast:
@@ -468,8 +464,8 @@ while True:
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
         record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
-    print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | K {K} | lrm {lrm:.2f} | grad {record['grad_norm']:.2f}"
-           f" | resid {record['resid_norms'][-1]:.1f} | {tok_per_s:,.0f} tok/s{mfu}")
+    print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | K {K} | lrm {lrm:.2f} | "
+           f"grad {record['grad_norm']:.2f} | resid {record['resid_norms'][-1]:.1f} | {tok_per_s:,.0f} tok/s{mfu}")
     write_log(record)
     # Divergence: the smoothed loss far above its running minimum for divergence_window steps.
     monitor["ema"] = record["loss"] if monitor["ema"] is None else 0.9 * monitor["ema"] + 0.1 * record["loss"]
