@@ -26,6 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
+# RoPE table: ROPE_SPAN * sequence_len positions, as the authors' gpt.py (rotary_seq_len =
+# sequence_len * 10), so a forward without a KV cache takes CORE's longer few-shot prompts whole.
+ROPE_SPAN = 10
 
 
 @dataclass
@@ -208,16 +211,17 @@ def injection(variant, layer):
 
 class KVCache:
     """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
-    a different stream. A forward writes its tokens at `pos`; the cache grows to sequence_len.
+    a different stream. A forward writes its tokens at `pos`; the cache holds `capacity` tokens.
 
     Depth per token (GPT.loop_states' exit_threshold): `done` (B, T) marks this forward's
     positions that have stopped looping. Their keys/values at every later loop are copies of
     their exit loop's (as Huginn's cache), so a later token reads the last state they reached."""
 
-    def __init__(self, batch_size, loops, config):
+    def __init__(self, batch_size, loops, config, capacity=None):
         self.loops, self.n_layer, self.pos, self.done = loops, config.n_layer, 0, None
-        self.shape = (batch_size, config.n_kv_head, config.sequence_len, config.n_embd // config.n_head)
-        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, sequence_len, D)
+        self.capacity = capacity or config.sequence_len
+        self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
+        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
 
     def slot(self, loop, layer, like):
         if (loop, layer) not in self.kv:
@@ -257,8 +261,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
         head_dim = config.n_embd // config.n_head
         inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(config.sequence_len, dtype=torch.float32), inv_freq)
-        # (T, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
+        angles = torch.outer(torch.arange(ROPE_SPAN * config.sequence_len, dtype=torch.float32), inv_freq)
+        # (positions, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
         self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
         self.resid_norms = self.exit_loops = None
@@ -374,11 +378,13 @@ class GPT(nn.Module):
         decoding and a full forward compute the same function. Records self.exit_loops (B, T)."""
         c, K = self.config, self._loops(loops)
         B, T = idx.shape
-        if exit_threshold is not None and kv_cache is None:
-            kv_cache = self.new_kv_cache(B, K)
-        pos = 0 if kv_cache is None else kv_cache.pos
-        if pos + T > c.sequence_len:
-            raise ValueError(f"input of {pos + T} tokens exceeds sequence_len={c.sequence_len}")
+        pos, limit = (0, self.cos.size(0)) if kv_cache is None else (kv_cache.pos, kv_cache.capacity)
+        if pos + T > limit:
+            what = (f"the RoPE table's {limit} positions ({ROPE_SPAN} x " if kv_cache is None
+                    else f"the KV cache's capacity of {limit} tokens (")
+            raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={c.sequence_len})")
+        if exit_threshold is not None and kv_cache is None:  # a cache of its own, as long as the input
+            kv_cache = KVCache(B, K, c, capacity=T)
         if kv_cache is not None and kv_cache.loops != K:  # fewer would leave later loops' entries unwritten
             raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
         if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):

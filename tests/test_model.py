@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, peak_flops, precision
+from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, peak_flops, precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below
@@ -87,7 +87,8 @@ def ref_norm(x):
 
 def ref_rope(x, pos0=0):
     """x: (B, T, H, hd); half-split rotation, base 10000, SPEC 2's direction:
-    y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos."""
+    y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos. Angles from the formula for any T, so inputs
+    longer than sequence_len get their own table, not the model's buffer."""
     T, hd = x.shape[1], x.shape[3]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     angle = torch.arange(pos0, pos0 + T, dtype=torch.float64)[:, None] * inv_freq[None, :]
@@ -362,6 +363,87 @@ def test_kv_cache_matches_full_forward(variant, attention, loops):
             expect = model(idx[:, : n + 1], loops=loops)[:, -1:]
             torch.testing.assert_close(step, expect, atol=1e-4, rtol=0)
         assert kv.pos == T
+
+
+# ----------------------------------------------------------------------------------
+# 5b. Inputs longer than sequence_len: the RoPE table covers ROPE_SPAN x sequence_len (the
+# authors' gpt.py), so CORE's few-shot prompts are fed whole; the KV cache stays at sequence_len.
+LONG = 5 * SEQ_LEN // 2  # 80 tokens: 2.5 x sequence_len, 10 sliding windows
+
+
+def test_rope_table_is_ten_sequence_lens_and_not_saved():
+    model = make_model("FLT", "gqa")
+    hd = 64 // 4
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    angle = torch.arange(10 * SEQ_LEN, dtype=torch.float64)[:, None] * inv_freq  # fp32 table: ~1e-5 off
+    assert ROPE_SPAN == 10 and model.cos.shape == model.sin.shape == (10 * SEQ_LEN, 1, hd // 2)
+    torch.testing.assert_close(model.cos[:, 0].double(), angle.cos(), atol=3e-5, rtol=0)
+    torch.testing.assert_close(model.sin[:, 0].double(), angle.sin(), atol=3e-5, rtol=0)
+    # checkpoints hold the parameters only, so they load whatever the table's length
+    state = model.state_dict()
+    assert list(state) == [name for name, _ in model.named_parameters()]
+    other = GPT(make_config("FLT", "gqa")).eval()
+    assert not other.load_state_dict(state).missing_keys
+    idx = random_tokens(1, LONG)
+    with torch.no_grad():
+        torch.testing.assert_close(other(idx, loops=2), model(idx, loops=2), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("variant, attention", [("FLT", "window"), ("LT_i", "gqa"), ("FLT_res", "mla"),
+                                                ("LT_ai", "mla_gqa_window"), ("LT", "full")])
+def test_long_input_matches_reference(variant, attention):
+    model, idx = make_model(variant, attention), random_tokens(2, LONG)
+    with torch.no_grad():
+        logits = model(idx, loops=3)
+        first = model(idx[:, :SEQ_LEN], loops=3)
+    assert logits.shape == (2, LONG, VOCAB)
+    torch.testing.assert_close(logits, reference_forward(model, model.config, idx, 3)[0][-1].float(), **TOL)
+    torch.testing.assert_close(logits[:, :SEQ_LEN], first, atol=1e-6, rtol=0)
+
+
+def test_long_input_exit_rule_and_checkpointing():
+    model, idx = make_model("FLT", "window"), random_tokens(2, LONG)
+    with torch.no_grad():  # the exit rule's own KV cache is as long as the input
+        full = model(idx, loops=3)
+        torch.testing.assert_close(model(idx, loops=3, exit_threshold=0.0), full, atol=1e-5, rtol=0)
+        assert (model.exit_loops == 3).all()
+        exit_at_2 = model(idx, loops=3, exit_threshold=1e9)  # every position exits at loop 2
+        assert (model.exit_loops == 2).all()
+        torch.testing.assert_close(exit_at_2, model(idx, loops=2), atol=1e-5, rtol=0)
+    grads = []
+    for ckpt in (False, True):
+        m = make_model("FLT_res", "gqa", checkpoint_loops=ckpt, window_pattern="SL").train()
+        m(idx, idx, loops=2).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=lambda msg: f"{name}: {msg}")
+
+
+def test_input_longer_than_rope_table_raises():
+    model = make_model("FLT", "window")
+    too_long = random_tokens(1, 10 * SEQ_LEN + 1)
+    with torch.no_grad():
+        model(too_long[:, :-1])  # exactly the table's length is fine
+        for kw in ({}, dict(exit_threshold=0.1)):
+            with pytest.raises(ValueError, match=r"input of 321 tokens exceeds the RoPE table's 320 positions "
+                                                 r"\(10 x sequence_len=32\)"):
+                model(too_long, loops=2, **kw)
+
+
+def test_kv_cache_past_sequence_len_raises():
+    model, idx = make_model("FLT", "full"), random_tokens(1, SEQ_LEN + 1)
+    kv = model.new_kv_cache(1, 2)
+    with torch.no_grad():
+        model(idx[:, :SEQ_LEN - 1], loops=2, kv_cache=kv)
+        model(idx[:, SEQ_LEN - 1:SEQ_LEN], loops=2, kv_cache=kv)  # fills the cache exactly
+        with pytest.raises(ValueError, match=r"input of 33 tokens exceeds the KV cache's capacity of 32 tokens "
+                                             r"\(sequence_len=32\)"):
+            model(idx[:, SEQ_LEN:], loops=2, kv_cache=kv)
+        assert kv.pos == SEQ_LEN
+        with pytest.raises(ValueError, match="KV cache's capacity of 32"):  # a prefill longer than the cache
+            model(idx, loops=2, kv_cache=model.new_kv_cache(1, 2))
+        with pytest.raises(ValueError, match=r"prompt \(30\) \+ max_new_tokens \(3\) exceeds sequence_len=32"):
+            next(model.generate(idx[:, :30], 3, loops=2))
 
 
 def test_gqa_with_a_mask_repeats_kv_heads(monkeypatch):
@@ -641,9 +723,6 @@ def test_invalid_forward_arguments_raise():
             model(random_tokens(1, 8), loops=0)
         with pytest.raises(ValueError, match="loops"):
             model(random_tokens(1, 8), loops=-2)
-        with pytest.raises(ValueError, match="sequence_len"):
-            model(random_tokens(1, SEQ_LEN + 1))
-        model(random_tokens(1, SEQ_LEN))  # exactly sequence_len is fine
 
 
 # ----------------------------------------------------------------------------------
