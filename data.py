@@ -4,13 +4,15 @@ The paper pretrains on FineWeb-Edu (nanochat's parquet shards). For CPU work wit
 same code path runs on an embedded corpus built from text on every machine with Python (reference
 manual topics, stdlib docstrings). Both are plain parquet shards; the last is validation. A
 manifest.json beside complete shards records their sizes and rows, checked whenever they are used.
+Packing and byte counts follow the paper authors' code (nanochat/dataloader.py, get_token_bytes).
 
-    python data.py --download 8     # first 8 FineWeb-Edu shards + the validation shard
+    python data.py --download 249   # the authors' 249 training shards + their validation shard
     python data.py --embedded       # build the embedded corpus (no network)
 """
 import argparse
 import contextlib
 import fcntl
+import functools
 import importlib
 import inspect
 import json
@@ -29,12 +31,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
+from urllib3.exceptions import NameResolutionError
 import tokenizers
 import torch
 
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 SHARD_NAME = "shard_{:05d}.parquet"
-VAL_SHARD = 1822  # 1823 shards; nanochat keeps the last one (index 1822) for validation
+LAST_SHARD = 1822  # shard_00000 .. shard_01822 on the hub
+# The authors download shards 0..249 (run.sh: `-n 250`) and their loader validates on the last file
+# it finds: shard_00249. Their training files are the 249 before it; more training shards skip 249.
+VAL_SHARD, AUTHORS_TRAIN_SHARDS = 249, 249
 # Shard sizes, from nanochat's speedrun.sh: each shard holds ~250M characters, ~100 MB of parquet.
 # At ~4.5 characters per Qwen3 token that is ~55M tokens. The margin covers the uncertain characters
 # per token (nanochat rounds its 216 shards up to 240), so a run does not silently repeat its data.
@@ -80,21 +86,31 @@ def _replace(path, write):
     os.replace(tmp, path)
 
 
-class _Progress:
-    """Counts downloaded bytes and files; prints them with the rate at a readable pace."""
+class Progress:
+    """Progress lines of long work: `label: done/total unit (percent), rate, ETA`, at most one per
+    PROGRESS_SECONDS and one at the end; with each=True a line per finished unit too (downloaded
+    files: few and slow). Downloads also count bytes (n=0, n_bytes) and show MB and MB/s. Thread-safe:
+    download_shards' threads share one."""
 
-    def __init__(self, label, files):
-        self.label, self.files, self.done, self.bytes = label, files, 0, 0
-        self.start = self.last = time.monotonic()
-        self.lock = threading.Lock()  # download_shards' threads share one
+    def __init__(self, label, total, unit, log=functools.partial(print, flush=True), each=False):
+        self.label, self.total, self.unit, self.log, self.each = label, total, unit, log, each
+        self.done, self.bytes, self.start = 0, 0, time.monotonic()
+        self.last, self.lock = self.start, threading.Lock()
 
-    def __call__(self, n_bytes=0, files=0):
+    def __call__(self, n=1, n_bytes=0):
         with self.lock:
-            self.bytes, self.done, now = self.bytes + n_bytes, self.done + files, time.monotonic()
-            if files or now - self.last >= PROGRESS_SECONDS:
-                self.last = now
-                print(f"{self.label}: {self.done}/{self.files} files, {self.bytes / 1e6:,.1f} MB, "
-                      f"{self.bytes / 1e6 / max(now - self.start, 1e-3):.1f} MB/s", flush=True)
+            self.done, self.bytes, now = self.done + n, self.bytes + n_bytes, time.monotonic()
+            if not (n and (self.each or self.done == self.total)) and now - self.last < PROGRESS_SECONDS:
+                return
+            self.last, seconds = now, max(now - self.start, 1e-3)
+            line = f"{self.label}: {self.done:,}/{self.total:,} {self.unit}"
+            if self.bytes:
+                line += f", {self.bytes / 1e6:,.1f} MB, {self.bytes / 1e6 / seconds:.1f} MB/s"
+            else:
+                rate = self.done / seconds
+                eta = f"{(self.total - self.done) / rate:.0f} s" if rate else "?"
+                line += f" ({100 * self.done / max(self.total, 1):.0f}%), {rate:.3g} {self.unit}/s, ETA {eta}"
+            self.log(line)
 
 
 def _fetch(url, part, progress):
@@ -113,7 +129,7 @@ def _fetch(url, part, progress):
         with open(part, "ab" if have else "wb") as f:
             for chunk in r.iter_content(1 << 16):
                 f.write(chunk)
-                progress(len(chunk))
+                progress(0, len(chunk))
     if expected is not None and os.path.getsize(part) != expected:
         raise requests.ConnectionError(f"got {os.path.getsize(part)} of {expected} bytes")
 
@@ -127,15 +143,17 @@ def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):
     with _locked(path):
         if os.path.exists(path):  # already there, or another rank finished it while we waited
             return path
-        part, progress = path + ".part", progress or _Progress(path, 1)
+        part, progress = path + ".part", progress or Progress(path, 1, "files", each=True)
         for attempt in range(1, retries + 1):
             try:
                 _fetch(url, part, progress)
                 os.replace(part, path)
-                progress(files=1)
+                progress()
                 return path
             except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
                 error, status = e, e.response.status_code if isinstance(e, requests.HTTPError) else 0
+                if isinstance(getattr(e.args[0] if e.args else None, "reason", None), NameResolutionError):
+                    break  # no such host, or no network at all: waiting cannot help
                 if 400 <= status < 500 and status not in (408, 429):
                     # wrong URL or no access: retrying cannot help, and there is nothing to resume
                     with contextlib.suppress(FileNotFoundError):
@@ -150,20 +168,26 @@ def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):
 def shards_for_tokens(n_tokens):
     """FineWeb-Edu training shards holding n_tokens tokens, with SHARD_MARGIN to spare."""
     n = math.ceil(n_tokens * SHARD_MARGIN / SHARD_TOKENS)
-    if not 1 <= n <= VAL_SHARD:
+    if not 1 <= n <= LAST_SHARD:
         raise ValueError(f"{n_tokens:,} training tokens would need {n} shards of ~{SHARD_TOKENS:.3g} tokens "
-                         f"(x{SHARD_MARGIN} margin); FineWeb-Edu has 1..{VAL_SHARD} training shards")
+                         f"(x{SHARD_MARGIN} margin); FineWeb-Edu has 1..{LAST_SHARD} training shards")
     return n
 
 
+def shard_names(n):
+    """The first n training shards in order (VAL_SHARD left out), then the validation shard."""
+    if not 1 <= n <= LAST_SHARD:
+        raise ValueError(f"number of training shards must be in 1..{LAST_SHARD}, got {n}")
+    train = [i for i in range(LAST_SHARD + 1) if i != VAL_SHARD][:n]
+    return [SHARD_NAME.format(i) for i in [*train, VAL_SHARD]]
+
+
 def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1.0, hint=None):
-    """The first n training shards plus the validation shard, fetched 4 at a time.
+    """Paths of shard_names(n) (validation last), fetched 4 at a time; n=AUTHORS_TRAIN_SHARDS is their data.
 
     Shards already in data_dir must match its manifest; the manifest then records them all.
     """
-    if not 1 <= n <= VAL_SHARD:
-        raise ValueError(f"number of shards must be in 1..{VAL_SHARD}, got {n}")
-    names = [SHARD_NAME.format(i) for i in [*range(n), VAL_SHARD]]
+    names = shard_names(n)
     try:
         todo = [name for name in verify_manifest(data_dir, names)
                 if not os.path.exists(os.path.join(data_dir, name))]
@@ -172,7 +196,7 @@ def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1
     print(f"FineWeb-Edu: {n} training + 1 validation shards in {data_dir}: "
           f"{len(names) - len(todo)} present, downloading {len(todo)} (~{len(todo) * SHARD_GB:.1f} GB)")
     hint = hint or f"offline? put the shards in data_dir={data_dir!r}, or use dataset='embedded'"
-    progress = _Progress(f"downloading shards into {data_dir}", len(todo))
+    progress = Progress(f"downloading shards into {data_dir}", len(todo), "files", each=True)
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda name: download(f"{base_url}/{name}", os.path.join(data_dir, name), retries,
                                             backoff, hint, progress), todo))
@@ -366,14 +390,18 @@ class Tokenizer:
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
-    def token_bytes(self):
-        """UTF-8 bytes each id stands for (0 for special tokens), for bits per byte.
-
-        Not len(decode([id])), which is U+FFFD for part of a multi-byte character: in byte-level
-        BPE every character of a token string is one byte.
-        """
-        alphabet = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    def token_bytes(self, count="authors"):
+        """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (what the paper
+        reports; their get_token_bytes): len(decode([id]).encode()), 0 for every added token, so part of
+        a multi-byte character counts 3 (U+FFFD). "utf8": the true bytes (in byte-level BPE one per
+        character of the token string), 0 for special tokens only."""
+        if count not in ("authors", "utf8"):
+            raise ValueError(f"token_bytes: count must be 'authors' or 'utf8', got {count!r}")
         added = self.tok.get_added_tokens_decoder()
+        if count == "authors":
+            return torch.tensor([0 if i in added else len(self.decode([i]).encode("utf-8"))
+                                 for i in range(self.vocab_size)], dtype=torch.long)
+        alphabet = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
         table = torch.zeros(self.vocab_size, dtype=torch.long)
         for i in range(self.vocab_size):
             if i in added:  # added tokens are stored as plain text
@@ -443,17 +471,23 @@ def get_tokenizer(spec, data_dir, train_files, vocab_size, bos=BOS):
 
 # ---- Streaming loader
 class DataLoader:
-    """Endless (x, y) batches of shape (B, T), y = x shifted by one.
+    """(x, y) batches of shape (B, T) cut from one rank's token stream, as the authors' loader does.
 
-    A rank's stream: its row groups in order (row group g of the concatenated files goes to rank
-    g % world_size), each document as [bos] + tokens, epoch after epoch, cut into consecutive
-    windows of T+1 tokens; B windows make a batch. state_dict() is the position of the next unread
-    token ({"epoch", "file" (its name), "row_group", "offset" (tokens of that row group used),
-    "rank", "world_size"}): a loader built with state=loader.state_dict() after batch n yields
-    batch n+1. While a row group is consumed, the next one is tokenized in a background thread.
+    A rank's stream: each file in turn, its row groups rank, rank + world_size, ... (per file, as
+    nanochat's dataloader.py), each document as [bos] + tokens. A batch is the next chunk of B*T+1
+    tokens: x = its first B*T, y = its last B*T, viewed (B, T) (row b's last target is row b+1's first
+    input). The next chunk starts after it: a chunk's first token is never a target.
+    cycle=True (training): after its last row group the rank starts a new epoch, and prints so.
+    cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with bos and
+    y with -1 (ignored targets), then StopIteration: no target twice, and the tail is not lost.
+    state_dict() is the position of the next unread token ({"epoch", "file" (its name), "row_group",
+    "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's "epoch_tokens"
+    read and "epoch_batches" begun: a loader built with state=loader.state_dict() after batch n yields
+    batch n+1. While a row group is used, the next one is tokenized in a background thread.
     """
 
-    def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None):
+    def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None,
+                 cycle=True):
         if not files:
             raise ValueError("DataLoader: no files given")
         if batch_size < 1 or seq_len < 1:
@@ -461,7 +495,7 @@ class DataLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
         self.files, self.tokenizer, self.B, self.T = list(files), tokenizer, batch_size, seq_len
-        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.rank, self.world_size, self.device, self.cycle = rank, world_size, torch.device(device), cycle
         self.names = [os.path.basename(f) for f in self.files]
         if len(set(self.names)) < len(self.names):
             raise ValueError(f"DataLoader: file names must differ (a loader state names files): {self.names}")
@@ -469,15 +503,18 @@ class DataLoader:
         for name, path in zip(self.names, self.files):
             with _open_parquet(path) as pf:
                 row_groups[name] = pf.num_row_groups
-        groups = [(i, g) for i, n in enumerate(row_groups.values()) for g in range(n)]
-        self.groups = groups[rank::world_size]
-        if not self.groups:  # would loop forever looking for a token
-            raise ValueError(f"rank {rank} of {world_size} gets no documents: {len(groups)} row groups in "
-                             f"{len(self.files)} files ({self.files[0]}, ...); use fewer ranks or more data")
-        self.epoch, self.pos, self.offset, self.tokens = 0, 0, 0, None
+        self.groups = [(i, g) for i, n in enumerate(row_groups.values()) for g in range(rank, n, world_size)]
+        if not self.groups and cycle:  # would loop forever looking for a token
+            raise ValueError(f"rank {rank} of {world_size} gets no documents: row groups per file "
+                             f"{row_groups} in {self.files[0]}, ...; use fewer ranks or more data")
+        self.epoch, self.pos, self.offset, self.tokens, self.done = 0, 0, 0, None, not self.groups
+        self.epoch_tokens = self.epoch_batches = 0
         self.pool, self.prefetched = ThreadPoolExecutor(1), None
         if state is None:
             return
+        if missing := sorted(self.state_dict().keys() - state.keys()):
+            raise ValueError(f"loader state {state} lacks {missing}: saved before data.py packed as the authors' "
+                             "loader does; resume with a state this loader saved")
         if not 0 <= state["row_group"] < row_groups.get(state["file"], 0):
             raise ValueError(f"loader state: no row group {state['row_group']} of file {state['file']!r} in "
                              f"the loader's files (row groups: {row_groups}); resume with the run's files")
@@ -486,6 +523,7 @@ class DataLoader:
             raise ValueError(f"loader state {state} is not a position of rank {rank} of "
                              f"{world_size} in these {len(self.files)} files")
         self.epoch, self.pos, self.offset = state["epoch"], self.groups.index(where), state["offset"]
+        self.epoch_tokens, self.epoch_batches = state["epoch_tokens"], state["epoch_batches"]
         self.tokens = self._load()
         if not 0 <= self.offset < len(self.tokens):
             raise ValueError(f"loader state {state}: offset outside the row group "
@@ -493,8 +531,9 @@ class DataLoader:
 
     def state_dict(self):
         file, row_group = self.groups[self.pos]
-        return {"epoch": self.epoch, "file": self.names[file], "row_group": row_group,
-                "offset": self.offset, "rank": self.rank, "world_size": self.world_size}
+        return {"epoch": self.epoch, "file": self.names[file], "row_group": row_group, "offset": self.offset,
+                "rank": self.rank, "world_size": self.world_size, "epoch_tokens": self.epoch_tokens,
+                "epoch_batches": self.epoch_batches}
 
     def _tokenize(self, pos):
         file, row_group = self.groups[pos]
@@ -508,39 +547,57 @@ class DataLoader:
         pos, future = self.prefetched or (None, None)
         tokens = future.result() if pos == self.pos else self._tokenize(self.pos)
         following = (self.pos + 1) % len(self.groups)
-        self.prefetched = (following, self.pool.submit(self._tokenize, following))
+        if following or self.cycle:  # without cycle, no epoch follows the last row group
+            self.prefetched = (following, self.pool.submit(self._tokenize, following))
         return tokens
+
+    def _end_epoch(self):
+        """The rank's row groups are used up: a new epoch (cycle), else the end of the stream."""
+        if self.cycle:
+            files = len({file for file, _ in self.groups})
+            print(f"DataLoader rank {self.rank}: epoch {self.epoch} is used up (row groups: {len(self.groups)}, "
+                  f"files: {files}, tokens: {self.epoch_tokens:,}, batches served: {self.epoch_batches}); "
+                  f"epoch {self.epoch + 1} starts: its documents are seen again", flush=True)
+        self.done = not self.cycle
+        self.pos, self.epoch, self.epoch_tokens, self.epoch_batches = 0, self.epoch + 1, 0, 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        """The next B*(T+1) tokens of the stream, moving through row groups and epochs."""
-        pieces, n = [], self.B * (self.T + 1)
-        while n:
+        """The next chunk of B*T+1 tokens as (x, y), moving through row groups and epochs."""
+        pieces, n = [], self.B * self.T + 1
+        self.epoch_batches += 1  # a chunk that crosses the end of an epoch counts for the one it began in
+        while n and not self.done:
             if self.tokens is None:
                 self.tokens = self._load()
             piece = self.tokens[self.offset:self.offset + n]
             pieces.append(piece)
             n -= len(piece)
             self.offset += len(piece)
+            self.epoch_tokens += len(piece)
             if self.offset == len(self.tokens):  # row group used up: the state names the next one
                 self.pos, self.offset, self.tokens = self.pos + 1, 0, None
                 if self.pos == len(self.groups):
-                    self.pos, self.epoch = 0, self.epoch + 1
+                    self._end_epoch()
+        chunk = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+        if len(chunk) < 2:  # only without cycle: the stream is over
+            raise StopIteration
         cuda = self.device.type == "cuda"
         # pinned host memory lets the copy to the GPU overlap with compute (non_blocking)
-        buf = torch.empty(self.B * (self.T + 1), dtype=torch.long, pin_memory=cuda)
-        torch.cat(pieces, out=buf)
-        w = buf.view(self.B, self.T + 1).to(self.device, non_blocking=cuda)
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        xy = torch.empty(2, self.B * self.T, dtype=torch.long, pin_memory=cuda)
+        xy[0], xy[1] = self.tokenizer.bos_id, -1  # the padding of a final partial chunk
+        xy[0, :len(chunk) - 1], xy[1, :len(chunk) - 1] = chunk[:-1], chunk[1:]
+        x, y = xy.view(2, self.B, self.T).to(self.device, non_blocking=cuda)
+        return x, y
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--download", type=int, metavar="N", help="first N FineWeb-Edu shards + validation")
+    action.add_argument("--download", type=int, metavar="N",
+                        help="first N training shards (249: the authors') + validation shard 249")
     action.add_argument("--embedded", action="store_true", help="build the embedded corpus")
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL)

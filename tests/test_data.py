@@ -1,5 +1,6 @@
 """Tests for data.py: embedded corpus, tokenizer, loader, downloader (local http.server only)."""
 import glob
+import itertools
 import json
 import os
 import re
@@ -36,8 +37,9 @@ def write_parquet(path, texts, row_group_size=2):
     return str(path)
 
 
-def row_groups(files):
-    return [(f, g) for f in files for g in range(pq.ParquetFile(f).num_row_groups)]
+def row_groups(files, rank=0, world_size=1):
+    """The rank's row groups: of each file in turn, rank, rank + world_size, ... (the authors' rule)."""
+    return [(f, g) for f in files for g in range(rank, pq.ParquetFile(f).num_row_groups, world_size)]
 
 
 def docs_of(f, g):
@@ -47,19 +49,36 @@ def docs_of(f, g):
 def expected_stream(files, tok, rank=0, world_size=1):
     """The rank's token stream, built one document at a time with encode (not encode_batch)."""
     out = []
-    for f, g in row_groups(files)[rank::world_size]:
+    for f, g in row_groups(files, rank, world_size):
         for text in docs_of(f, g):
             out += [tok.bos_id] + tok.encode(text)
     return out
 
 
 def take(loader, n):
-    return [next(loader) for _ in range(n)]
+    return list(itertools.islice(loader, n))
 
 
-def windows(batches):
-    """Rebuild the (T+1)-token windows from (x, y): window = x + last token of y."""
-    return torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in batches]).flatten().tolist()
+def chunks(batches):
+    """Rebuild the stream from full batches: a chunk of B*T+1 tokens is x, then y's last token."""
+    return torch.cat([torch.cat([x.flatten(), y.flatten()[-1:]]) for x, y in batches]).tolist()
+
+
+@pytest.fixture(scope="module")
+def numbers():
+    """A tokenizer whose ids read as the text: "12 7" is [12, 7]; bos (<|endoftext|>) is 0."""
+    vocab = {data.BOS: 0, **{str(i): i for i in range(1, 40)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=data.BOS))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([data.BOS])
+    return data.Tokenizer(tok)
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    """a.parquet: 3 row groups, b.parquet: 2, one document each; 3 is not a multiple of 2 ranks."""
+    return [write_parquet(tmp_path / "a.parquet", ["1 2 3", "4 5", "6 7 8 9"], row_group_size=1),
+            write_parquet(tmp_path / "b.parquet", ["10 11", "12 13 14"], row_group_size=1)]
 
 # ---------------------------------------------------------------- embedded corpus
 
@@ -132,13 +151,49 @@ def test_bpe_roundtrip_bos_and_token_bytes(tok, corpus):
     assert tok.decode(ids) == UNICODE
     assert tok.bos_id not in ids  # no BOS added, and "<|endoftext|>" in text stays text
     assert tok.encode_batch([UNICODE, "x"]) == [ids, tok.encode("x")]
-    # the case token_bytes must get right: an id that is part of a multi-byte character
-    assert any(tok.decode([i]) == "\ufffd" for i in ids)
-    table = tok.token_bytes()
-    assert table.shape == (512,) and table[tok.bos_id] == 0
+    # the case the two counts differ on: an id that is part of a multi-byte character
+    partial = [i for i in ids if tok.decode([i]) == "\ufffd"]
+    assert partial
+    table = tok.token_bytes("utf8")  # the true bytes: they add up to the text's
+    assert table.shape == (512,) and table.dtype == torch.long and table[tok.bos_id] == 0
     assert table[ids].sum() == len(UNICODE.encode("utf-8"))
     for text in pq.read_table(corpus[-1]).column("text").to_pylist():
         assert table[tok.encode(text)].sum() == len(text.encode("utf-8"))
+    # the authors' count (the default): 3 bytes for U+FFFD, the true bytes for every other id here
+    authors = tok.token_bytes()
+    assert authors.shape == (512,) and authors.dtype == torch.long and authors[tok.bos_id] == 0
+    assert all(authors[i] == (3 if i in partial else table[i]) for i in ids)
+    assert authors[ids].sum() == len(UNICODE.encode("utf-8")) + sum(3 - table[i] for i in partial)
+    with pytest.raises(ValueError, match="'authors' or 'utf8'"):
+        tok.token_bytes("bytes")
+
+
+def gpt2_byte_chars():
+    """Byte-level BPE's byte -> character map (GPT-2's bytes_to_unicode), written out."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+def test_token_bytes_of_a_split_character():
+    """"中" is e4 b8 ad; a vocabulary of the 256 bytes (id = byte), "e4 b8" (256), <|endoftext|>
+    (257, special) and <think> (258, added, not special)."""
+    char = gpt2_byte_chars()
+    assert set(char.values()) == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab = {char[b]: b for b in range(256)} | {char[0xE4] + char[0xB8]: 256}
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [(char[0xE4], char[0xB8])]))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.add_special_tokens([data.BOS])
+    bpe.add_tokens(["<think>"])
+    tok = data.Tokenizer(bpe)
+    assert tok.encode("中a") == [256, 0xAD, 97] and tok.decode([256, 0xAD]) == "中"
+    assert (tok.bos_id, tok.tok.token_to_id("<think>"), tok.vocab_size) == (257, 258, 259)
+    ids = [256, 0xAD, 0xE4, 97, 257, 258]
+    # authors: len(decode([id]).encode()): "e4 b8", "ad", "e4" alone each decode to U+FFFD (3 bytes)
+    assert tok.token_bytes("authors")[ids].tolist() == [3, 3, 3, 1, 0, 0]
+    assert tok.token_bytes("utf8")[ids].tolist() == [2, 1, 1, 1, 0, 7]
+    assert tok.token_bytes()[[256, 0xAD]].sum() == 6  # "中" counts 6 bytes for the authors, 3 in UTF-8
 
 
 def test_load_and_get_tokenizer(tok, tmp_path, monkeypatch):
@@ -168,13 +223,14 @@ def test_bos_token_configurable(tok, corpus, tmp_path):
     qwen_like = data.load_tokenizer(path, bos=data.QWEN3_BOS)
     assert qwen_like.bos_id == both.token_to_id(data.QWEN3_BOS) == 512 and qwen_like.vocab_size == 513
     assert data.load_tokenizer(path).bos_id == tok.bos_id  # the default stays <|endoftext|>
-    table = qwen_like.token_bytes()  # both special tokens count 0 bytes
-    assert table[512] == 0 and table[tok.bos_id] == 0 and torch.equal(table[:512], tok.token_bytes())
+    for count in ("authors", "utf8"):  # both special tokens count 0 bytes
+        table = qwen_like.token_bytes(count)
+        assert table[512] == 0 and table[tok.bos_id] == 0 and torch.equal(table[:512], tok.token_bytes(count))
     text = UNICODE + data.QWEN3_BOS  # written in a document, it is text
     ids = qwen_like.encode(text)
-    assert 512 not in ids and table[ids].sum() == len(text.encode("utf-8"))
+    assert 512 not in ids and qwen_like.token_bytes("utf8")[ids].sum() == len(text.encode("utf-8"))
     x, y = next(data.DataLoader(corpus[-1:], qwen_like, 2, 32))
-    assert windows([(x, y)]) == expected_stream(corpus[-1:], qwen_like)[:66] and x[0, 0] == 512
+    assert chunks([(x, y)]) == expected_stream(corpus[-1:], qwen_like)[:65] and x[0, 0] == 512
     # asking for a document token the tokenizer lacks names the token and the setting
     tok.save(str(tmp_path / "bpe.json"))
     for make in (lambda: data.load_tokenizer(str(tmp_path / "bpe.json"), bos=data.QWEN3_BOS),
@@ -186,14 +242,87 @@ def test_bos_token_configurable(tok, corpus, tmp_path):
 # ---------------------------------------------------------------- loader
 
 
+def test_loader_packs_chunks_of_B_T_plus_1_by_hand(numbers, two_files, capsys):
+    # Per file, rank 0 of 2 reads a's row groups 0, 2 then b's 0; rank 1 reads a's 1 then b's 1
+    # (over the concatenated files rank 0 would read b's 1). With bos = 0 their streams are
+    #   rank 0: 0 1 2 3  0 6 7 8 9  0 10 11      rank 1: 0 4 5  0 12 13 14
+    # B=2, T=3: chunks of 7 tokens; x = the first 6, y = the last 6; the next chunk starts after it.
+    rank0 = data.DataLoader(two_files, numbers, 2, 3, rank=0, world_size=2)
+    x, y = next(rank0)  # chunk 0 1 2 3 0 6 7
+    assert x.tolist() == [[0, 1, 2], [3, 0, 6]] and y.tolist() == [[1, 2, 3], [0, 6, 7]]
+    assert capsys.readouterr().out == ""
+    x, y = next(rank0)  # chunk 8 9 0 10 11 | 0 1: 8 is only an input; the stream wraps into epoch 1
+    assert x.tolist() == [[8, 9, 0], [10, 11, 0]] and y.tolist() == [[9, 0, 10], [11, 0, 1]]
+    x, y = next(rank0)  # chunk 2 3 0 6 7 8 9
+    assert x.tolist() == [[2, 3, 0], [6, 7, 8]] and y.tolist() == [[3, 0, 6], [7, 8, 9]]
+    rank1 = data.DataLoader(two_files, numbers, 2, 3, rank=1, world_size=2)
+    for _ in range(2):  # its whole stream is one chunk: every batch is the same
+        x, y = next(rank1)
+        assert x.tolist() == [[0, 4, 5], [0, 12, 13]] and y.tolist() == [[4, 5, 0], [12, 13, 14]]
+
+
+def test_loader_without_cycle_pads_the_last_chunk_then_stops(numbers, two_files, tmp_path):
+    rank0 = data.DataLoader(two_files, numbers, 2, 3, rank=0, world_size=2, cycle=False)
+    batches = take(rank0, 10)
+    assert [(x.tolist(), y.tolist()) for x, y in batches] == [
+        ([[0, 1, 2], [3, 0, 6]], [[1, 2, 3], [0, 6, 7]]),
+        ([[8, 9, 0], [10, 0, 0]], [[9, 0, 10], [11, -1, -1]])]  # the 5 last tokens, padded
+    with pytest.raises(StopIteration):
+        next(rank0)
+    # every token of 0 1 2 3 0 6 7 8 9 0 10 11 but the chunks' first (0 and 8) is a target, once
+    targets = [t for _, y in batches for t in y.flatten().tolist() if t >= 0]
+    assert targets == [1, 2, 3, 0, 6, 7, 9, 0, 10, 11]
+    rank1 = data.DataLoader(two_files, numbers, 2, 3, rank=1, world_size=2, cycle=False)
+    assert len(take(rank1, 10)) == 1  # 7 tokens: one full chunk, nothing left
+    # after the chunk 0 1 2 3 0 4 5: one token left (6) is only an input, no batch; two (6 7) are one target
+    first = ([[0, 1, 2], [3, 0, 4]], [[1, 2, 3], [0, 4, 5]])
+    for last_doc, after in [("4 5 6", []), ("4 5 6 7", [([[6, 0, 0], [0, 0, 0]], [[7, -1, -1], [-1, -1, -1]])])]:
+        files = [write_parquet(tmp_path / f"{len(last_doc)}.parquet", ["1 2 3", last_doc])]
+        loader = data.DataLoader(files, numbers, 2, 3, cycle=False)
+        assert [(x.tolist(), y.tolist()) for x, y in take(loader, 10)] == [first, *after]
+
+
+@pytest.mark.parametrize("rank,world_size", [(0, 1), (1, 2)])
+def test_loader_without_cycle_covers_the_stream(tok, corpus, rank, world_size):
+    B, T = 3, 64
+    batches = take(data.DataLoader(corpus[-1:], tok, B, T, rank, world_size, cycle=False), 10_000)
+    stream = expected_stream(corpus[-1:], tok, rank, world_size)
+    assert 0 < len(stream) % (B * T + 1) and len(batches) == -(-len(stream) // (B * T + 1))
+    assert chunks(batches[:-1]) == stream[:len(stream) // (B * T + 1) * (B * T + 1)]
+    targets = [t for _, y in batches for t in y.flatten().tolist() if t >= 0]
+    assert targets == [t for i, t in enumerate(stream) if i % (B * T + 1)]  # all but each chunk's first
+    n = len(stream) % (B * T + 1)
+    x, y = batches[-1]
+    assert x.flatten().tolist() == stream[-n:-1] + [tok.bos_id] * (B * T - n + 1)
+    assert y.flatten().tolist() == stream[-n + 1:] + [-1] * (B * T - n + 1)
+
+
+def test_loader_cycle_says_so(numbers, two_files, capsys):
+    rank0 = data.DataLoader(two_files, numbers, 2, 3, rank=0, world_size=2)
+    next(rank0)
+    assert capsys.readouterr().out == "" and rank0.state_dict()["epoch"] == 0
+    next(rank0)
+    assert capsys.readouterr().out == (
+        "DataLoader rank 0: epoch 0 is used up (row groups: 3, files: 2, tokens: 12, batches served: 2); "
+        "epoch 1 starts: its documents are seen again\n")
+    assert rank0.state_dict()["epoch"] == 1
+    rank1 = data.DataLoader(two_files, numbers, 2, 3, rank=1, world_size=2)
+    take(rank1, 2)  # its 7 tokens are exactly one chunk: each batch is a whole epoch
+    assert capsys.readouterr().out == "".join(
+        f"DataLoader rank 1: epoch {e} is used up (row groups: 2, files: 2, tokens: 7, batches served: 1); "
+        f"epoch {e + 1} starts: its documents are seen again\n" for e in (0, 1))
+    assert rank1.state_dict()["epoch"] == 2
+
+
 def test_loader_matches_independent_stream(tok, corpus):
     B, T = 3, 64
     batches = take(data.DataLoader(corpus[:1], tok, B, T), 20)
     stream = expected_stream(corpus[:1], tok)
     for n, (x, y) in enumerate(batches):
         assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.long
-        want = torch.tensor(stream[n * B * (T + 1):(n + 1) * B * (T + 1)]).view(B, T + 1)
-        assert torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+        want = torch.tensor(stream[n * (B * T + 1):(n + 1) * (B * T + 1)])
+        assert torch.equal(x, want[:-1].view(B, T)) and torch.equal(y, want[1:].view(B, T))
+        assert torch.equal(y[:-1, -1], x[1:, 0])  # a row's last target is the next row's first input
     assert stream[0] == tok.bos_id  # documents start with bos; the stream is made of [bos] + doc
 
 
@@ -204,7 +333,7 @@ def test_loader_ranks_disjoint_and_cover_everything(tok, corpus):
         loader = data.DataLoader(files, tok, 2, 32, rank=rank, world_size=2)
         seen = []
         while loader.state_dict()["epoch"] == 0:
-            seen += windows([next(loader)])
+            seen += chunks([next(loader)])
         stream = expected_stream(files, tok, rank, 2)
         assert seen[:len(stream)] == stream  # exactly this rank's row groups, in order
         # split the rank's first epoch into documents at each bos
@@ -214,31 +343,46 @@ def test_loader_ranks_disjoint_and_cover_everything(tok, corpus):
     assert sorted(docs) == sorted(everything)  # disjoint and complete
 
 
-def test_loader_loops_epochs(tok, tmp_path):
+def test_loader_loops_epochs(tok, tmp_path, capsys):
     files = [write_parquet(tmp_path / "tiny.parquet", ["a b c", "héllo", "😀 x"], row_group_size=3)]
     stream = expected_stream(files, tok)
     loader = data.DataLoader(files, tok, 2, 8)
     batches = take(loader, 10)
-    n = len(windows(batches))
+    n = len(chunks(batches))
     assert n > 3 * len(stream) and loader.state_dict()["epoch"] == (n // len(stream))
-    assert windows(batches) == (stream * (n // len(stream) + 1))[:n]
+    assert chunks(batches) == (stream * (n // len(stream) + 1))[:n]
+    assert capsys.readouterr().out.count("its documents are seen again\n") == n // len(stream)
 
 
-@pytest.mark.parametrize("rank,world_size", [(0, 1), (1, 2)])
-def test_loader_resume_reproduces_next_batches(tok, tmp_path, rank, world_size):
-    texts = [f"doc {i}: " + "more words " * i for i in range(9)]  # ~130 tokens in 5 row groups
+@pytest.mark.parametrize("rank,world_size,cycle", [(0, 1, True), (1, 2, True), (0, 2, False)])
+def test_loader_resume_reproduces_next_batches(tok, tmp_path, capsys, rank, world_size, cycle):
+    texts = [f"doc {i}: " + "more words " * i for i in range(9)]  # 315 tokens in 3 + 2 row groups
     files = [write_parquet(tmp_path / "a.parquet", texts[:5]),
              write_parquet(tmp_path / "b.parquet", texts[5:])]
+
+    def make(state=None, ranks=world_size):
+        return data.DataLoader(files, tok, 2, 16, rank, ranks, state=state, cycle=cycle)
+    said = []
     for k in range(12):  # every position: mid row group, row-group edges, across epochs
-        loader = data.DataLoader(files, tok, 2, 16, rank=rank, world_size=world_size)
+        loader = make()
         take(loader, k)
         state = json.loads(json.dumps(loader.state_dict()))
-        resumed = data.DataLoader(files, tok, 2, 16, rank=rank, world_size=world_size, state=state)
-        for (x, y), (x2, y2) in zip(take(loader, 5), take(resumed, 5)):
+        if not cycle and state["epoch"] > 0:
+            break  # the stream is over
+        resumed, _ = make(state), capsys.readouterr()
+        batches, out = take(loader, 5), capsys.readouterr().out
+        again, out2 = take(resumed, 5), capsys.readouterr().out
+        assert len(batches) == len(again) and (len(batches) == 5 or not cycle)
+        assert out == out2  # the epoch's line too, with its counts
+        for (x, y), (x2, y2) in zip(batches, again):
             assert torch.equal(x, x2) and torch.equal(y, y2)
-    assert state["epoch"] > 0
+        said.append(out)
+    # with cycle, positions in later epochs and epoch lines after a resume; without, up to the padded chunk
+    assert (state["epoch"] > 0 and sum(map(bool, said)) > 2) if cycle else (len(said) > 2 and k < 11)
     with pytest.raises(ValueError, match="loader state"):
-        data.DataLoader(files, tok, 2, 16, rank=rank, world_size=world_size + 1, state=state)
+        make(state, world_size + 1)
+    with pytest.raises(ValueError, match=r"loader state .* lacks \['epoch_batches', 'epoch_tokens'\]"):
+        make({key: v for key, v in state.items() if not key.startswith("epoch_")})
 
 
 def test_loader_state_names_the_file(tok, tmp_path):
@@ -282,11 +426,16 @@ def test_loader_tokenizes_next_row_group_in_background(tok, tmp_path, monkeypatc
     # (row group 5 is being tokenized now, and may not have been recorded yet)
     assert calls[:5] == [(0, True), (1, False), (2, False), (3, False), (4, False)] and len(calls) <= 6
     # the same batches as the plain stream, tokenized one document at a time in the test
-    n = len(windows(batches))
-    assert windows(batches) == expected_stream(files, tok)[:n]
+    n = len(chunks(batches))
+    assert chunks(batches) == expected_stream(files, tok)[:n]
     # and the state: the tokens of row group 4 used so far
     assert loader.state_dict()["offset"] == n - sum(len(tok.encode(t)) + 1 for g in range(4)
                                                     for t in docs_of(files[0], g))
+    # without cycle no epoch follows: the last row group does not start tokenizing the first again
+    calls.clear()
+    assert take(data.DataLoader(files, tok, 2, 8, cycle=False), 10_000)
+    assert calls == [(0, True), (1, False), (2, False), (3, False), (4, False), (5, False)]
+
 
 # ---------------------------------------------------------------- bad input
 
@@ -408,6 +557,16 @@ def test_unreachable_host_fails_fast_with_hint(tmp_path, monkeypatch):
     assert no_locks(tmp_path) and not glob.glob(str(tmp_path / "*.part"))
 
 
+def test_an_unresolvable_host_fails_at_once(tmp_path, monkeypatch):
+    """No such host, or no network (offline: no name resolves): retrying cannot help, one attempt."""
+    calls, get = [], requests.get
+    monkeypatch.setattr(data.requests, "get", lambda *a, **kw: calls.append(kw) or get(*a, **kw))
+    url = "http://no-such-host.invalid/shard_00000.parquet"  # .invalid never resolves (RFC 2606)
+    with pytest.raises(ConnectionError, match="after 1 attempts: " + re.escape(url)):
+        data.download(url, str(tmp_path / "s.parquet"), retries=5, backoff=10)
+    assert len(calls) == 1 and no_locks(tmp_path)
+
+
 def test_lock_is_exclusive_and_removed(tmp_path):
     path, inside, seen = str(tmp_path / "x"), [], []
 
@@ -464,14 +623,28 @@ def test_shards_for_tokens():
     assert data.shards_for_tokens(1) == 1
     assert data.shards_for_tokens(1_234_567_890) == 25  # 1.2346e9 * 1.1 / 55e6 = 24.69
     assert data.shards_for_tokens(3 * data.SHARD_TOKENS) == 4  # 3.3 shards with the margin
-    for bad in (0, 2e11):
-        with pytest.raises(ValueError, match="training tokens"):
+    assert data.shards_for_tokens(1821.5 * 50e6) == 1822  # every training shard: 1823 less validation
+    for bad in (0, 1822.5 * 50e6):
+        with pytest.raises(ValueError, match="training tokens.*1..1822 training shards"):
             data.shards_for_tokens(bad)
 
 
+def test_shard_names_leave_out_the_validation_shard():
+    name = "shard_{:05d}.parquet".format
+    assert data.shard_names(2) == [name(0), name(1), name(249)]
+    # the authors' files (run.sh downloads 0..249; their loader validates on the last, 249)
+    assert data.AUTHORS_TRAIN_SHARDS == 249 and data.shard_names(249) == [name(i) for i in range(250)]
+    assert data.shard_names(251)[-4:] == [name(248), name(250), name(251), name(249)]
+    every = data.shard_names(1822)
+    assert len(set(every)) == 1823 and every[-3:] == [name(1821), name(1822), name(249)]
+    for bad in (0, 1823):
+        with pytest.raises(ValueError, match=f"1..1822, got {bad}"):
+            data.shard_names(bad)
+
+
 def test_download_shards_manifest_and_plan(server, corpus, tmp_path, capsys):
-    # the served shards are real parquet: the embedded corpus, renamed
-    served = dict(zip([data.SHARD_NAME.format(i) for i in (0, 1, data.VAL_SHARD)], corpus))
+    # the served shards are real parquet: the embedded corpus, renamed; validation (shard 249) last
+    served = dict(zip(["shard_00000.parquet", "shard_00001.parquet", "shard_00249.parquet"], corpus))
     server.files = {f"/{name}": open(p, "rb").read() for name, p in served.items()}
     d = str(tmp_path)
     paths = data.download_shards(2, d, base_url=server.url, backoff=0.01)
