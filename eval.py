@@ -7,26 +7,33 @@ Evaluate one looped checkpoint at several loop budgets K: a row of the paper's T
 
 The argument is a run's out_dir (its newest step_* is used) or a step directory, read with the
 tokenizer.json saved beside the weights. Results go to <step dir>/eval.json (setting `out`), a
-markdown table to eval.md beside it.
+markdown table to eval.md beside it. eval.py first prints its plan (one line per mode: what it
+scores, the forward passes, then a time estimate from the first forwards), then runs each mode
+with progress lines. A mode that cannot run (no network for a download) is reported and the
+others still run; eval.json keeps what was computed, and the exit status is non-zero.
 
 Budget sweep (SPEC 3): every loop's output h(t) is a valid prediction point, so ONE forward at
-max(loops) yields each requested K's logits as head(h(K)); every metric goes through `loop_losses`,
-which does exactly that.
+max(loops) yields each requested K's logits as head(h(K)); every metric goes through `loop_losses`.
 
-Protocols
-- val bpb (SPEC 8; nanochat's evaluate_bpb): bpb_tokens tokens (default 40 * 2**19, the authors'
-  count) of the training data's last (validation) shard, in (batch_size, seq_len) windows from
-  data.DataLoader. bpb = sum of target losses (nats) / (ln 2 * sum of the targets' UTF-8 bytes);
-  0-byte targets (special tokens, e.g. BOS) are left out of both sums.
+Protocols: each follows the authors' scripts (FuRuF-11/FullyLoopedTransformer), so a number here
+is the one their code gives for the same weights. What is scored never depends on this machine:
+batch_size and the number of processes change the speed, not the tokens.
+- val bpb (scripts/base_budget.py + nanochat/loss_eval.py, as eval.sh ran them: 4 GPUs, device
+  batch 4): the validation shard streamed as their loader streams it (data.DataLoader) by
+  protocol_ranks simulated ranks, each cut into chunks of protocol_batch * seq_len + 1 tokens;
+  each rank scores bpb_tokens // (ranks * batch * seq_len) chunks. Never more than one pass: a
+  rank whose row groups end sooner is scored to the end of them (their loader would start over).
+  bpb = sum of target losses (nats) / (ln 2 * sum of the targets' bytes), 0-byte targets out of
+  both sums. Bytes are counted twice: the authors' len(decode([id]).encode()) (val_bpb, the number
+  to compare with the paper) and the true UTF-8 bytes (val_bpb_utf8).
 - exit (depth per token, beyond the paper): val bpb on the bpb mode's tokens with the KL exit rule
-  (model.GPT.loop_states' exit_threshold) at most max(loops) loops, and the mean number of loops
-  per scored token, for each of exit_thresholds; stored under K = max(loops) as "exit": [{threshold,
-  val_bpb, mean_loops}]. One forward per threshold: where a token exits changes what later ones read.
-- WikiText-2 perplexity (the authors' protocol): the wikitext-2-v1 TEST split (the tokenized,
-  non-raw variant with <unk>). Every row, empty ones included, becomes BOS + its tokens; all rows
-  are concatenated into one stream, cut into contiguous non-overlapping windows of seq_len + 1
-  tokens, the remainder dropped. A window's last seq_len tokens are targets; ppl = exp(mean NLL).
-- CORE (DCLM): nanochat's core_eval, example by example. Each core.yaml task with its first
+  at most max(loops) loops, and the mean loops per scored token, per threshold; stored under
+  K = max(loops) as "exit". One forward per threshold: where a token exits changes later ones.
+- WikiText-2 perplexity (scripts/wiki_ppl.py and their wiki loader): the wikitext-2-v1 TEST split,
+  BOS before every row (empty ones too), one stream, chunks of protocol_batch * seq_len + 1
+  tokens at a stride of protocol_batch * seq_len (rows of seq_len inputs, targets shifted by one),
+  the tokens after the last whole chunk dropped: every token after the first is a target once.
+- CORE (DCLM; nanochat/core_eval.py): example by example. Each core.yaml task with its first
   num_fewshot and continuation_delimiter (default " "); items shuffled with random.Random(1337),
   then cut to the first max_per_task if > 0. Item idx's shots: random.Random(1234 + idx) draws
   num_fewshot of the other items of that cut list, each rendered with its gold answer + "\n\n".
@@ -38,19 +45,15 @@ Protocols
     language_modeling  with = shots + context.strip() + delim + continuation; s = len(without),
                        without = (shots + context.strip() + delim).strip(), which must be a token
                        prefix of with (else ValueError; nanochat asserts). A "\n" delim is scored.
-  Over sequence_len tokens, a sequence keeps its last sequence_len, all fed (s shifts; below 0
-  is a ValueError, as nanochat's assert). Position p predicts token p + 1, so the span's losses
-  are nanochat's slice losses[s-1:len-1]. MC/schema: the option of lowest mean span loss by
-  Python's min (ties: the first; an empty span's NaN as min() takes it). LM: correct iff the
-  argmax is right at every span position. Accuracy over the (cut) items; centered accuracy
-  (acc - r) / (1 - r), r = random baseline / 100; CORE = their mean.
+  Long prompts are fed whole, never cropped: the authors' model has no max_seq_len, so their
+  core_eval does not crop, and its RoPE table covers 10 x sequence_len (longer is a ValueError
+  naming the task and item). Position p predicts token p + 1: the span's losses are nanochat's
+  slice losses[s-1:len-1]. MC/schema: the option of lowest mean span loss by Python's min (ties:
+  the first; an empty span's NaN as min() takes it). LM: correct iff the argmax is right at every
+  span position. Centered accuracy (acc - r) / (1 - r), r = random baseline / 100; CORE = mean.
 - Table 1 downstream columns, raw accuracy by core.yaml label: LMB = lambada_openai (0-shot),
   PIQA = piqa, Hella = hellaswag (10-shot, not hellaswag_zeroshot), OPQA = openbook_qa (0-shot),
-  ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean. A label missing from the
-  bundle leaves its column, and Avg, empty.
-
-eval.json is rewritten (atomically) after every mode, so a mode that fails (e.g. no network for a
-download) keeps the ones before it; the run then exits non-zero.
+  ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean.
 """
 import csv
 import json
@@ -75,14 +78,16 @@ import yaml
 import data
 from configurator import configure, settings_of
 from checkpoint import load_model
-from model import precision
+from model import ROPE_SPAN, precision
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
 loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
 device = ""                     # cuda | cpu | mps; empty = autodetect
-batch_size = 8                  # sequences per forward
-bpb_tokens = 40 * 2**19         # validation tokens for bpb: the authors' count
+batch_size = 8                  # sequences per forward here: speed only, never which tokens are scored
+bpb_tokens = 40 * 2**19         # validation tokens for bpb: the authors' eval.sh count
+protocol_ranks = 4              # the authors' eval.sh ran 4 GPUs at device batch 4: these two fix which
+protocol_batch = 4              # tokens bpb and WikiText score (chunks of batch * seq_len + 1 per rank)
 val_files = ""                  # comma-separated parquet shards; empty = the checkpoint's validation shard
 data_dir = ""                   # empty = the checkpoint's data_dir; downloads land here
 wiki_path = ""                  # wikitext-2-v1 test: parquet (text column) or wiki.test.tokens; empty = wiki_url
@@ -103,6 +108,7 @@ TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 TABLE_TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
                "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
 SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,")
+BYTE_COUNTS = ("authors", "utf8")  # val_bpb (compared with the paper), val_bpb_utf8
 
 
 def rank_world():
@@ -114,6 +120,10 @@ def rank_world():
 def all_reduce_sum(t):
     if rank_world()[1] > 1:
         dist.all_reduce(t)
+
+
+def device_of(model):
+    return next(model.parameters()).device
 
 
 # ----------------------------------------------------------------------------- the budget sweep
@@ -130,40 +140,45 @@ def loop_losses(model, idx, targets, loops_list):
     return result
 
 
-def loss_sums(model, batches, loops_list, weight):
-    """Per-K sums of token losses over the targets with weight(y) > 0, and the sum of weight(y),
-    over all batches and all ranks."""
-    sums = torch.zeros(len(loops_list) + 1, dtype=torch.float64, device=next(model.parameters()).device)
+def loss_sums(model, batches, loops_list, weights, progress=None):
+    """For each of `weights` (functions of the targets y): the per-K sums of token losses over the
+    targets with weight > 0, then the sum of the weights; over all batches and ranks."""
+    sums = torch.zeros(len(weights), len(loops_list) + 1, dtype=torch.float64, device=device_of(model))
     for x, y in batches:
-        w = weight(y)
+        x, y = x.to(sums.device), y.to(sums.device)
         losses = loop_losses(model, x, y, loops_list)
-        sums += torch.stack([losses[K][0][w > 0].sum() for K in loops_list] + [w.sum()]).double()
+        for i, w in enumerate(weight(y) for weight in weights):
+            sums[i] += torch.stack([losses[K][0][w > 0].sum() for K in loops_list] + [w.sum()]).double()
+        if progress:
+            progress()
     all_reduce_sum(sums)
-    return sums[:-1].tolist(), sums[-1].item()
+    return sums.tolist()
 
 
 def byte_counts(token_bytes, y):
-    """UTF-8 bytes of each target (B, T); 0 for special tokens and ignored (-1) targets."""
-    return torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+    """Bytes of each target (B, T) by the table token_bytes; 0 for ignored (-1) targets."""
+    return torch.where(y >= 0, token_bytes.to(y.device)[y.clamp(min=0)], 0)
 
 
-def evaluate_bpb(model, batches, token_bytes, loops_list):
-    """{K: bits per byte} over a finite iterable of (x, y) batches; token_bytes (vocab,) is the
-    UTF-8 byte count of each id (0 for special tokens), on the batches' device. Sums are
-    all-reduced, so under torchrun each rank passes its own share of the batches."""
-    nats, n_bytes = loss_sums(model, batches, loops_list, lambda y: byte_counts(token_bytes, y))
-    if n_bytes == 0:
+def evaluate_bpb(model, batches, tables, loops_list, progress=None):
+    """({count: {K: bits per byte}}, targets scored) over a finite iterable of (x, y) batches, for
+    each byte table of `tables` ({count name: (vocab,) bytes of each id, 0 for special tokens}).
+    Sums are all-reduced: under torchrun each rank passes its own share of the batches."""
+    weights = [lambda y, t=t: byte_counts(t, y) for t in tables.values()] + [lambda y: (y >= 0).long()]
+    *per_count, (*_, n_tokens) = loss_sums(model, batches, loops_list, weights, progress)
+    if any(s[-1] == 0 for s in per_count):
         raise ValueError("evaluate_bpb: the batches hold no target tokens with a byte count > 0")
-    return {K: n / (math.log(2) * n_bytes) for K, n in zip(loops_list, nats)}
+    return {name: {K: nats / (math.log(2) * s[-1]) for K, nats in zip(loops_list, s)}
+            for name, s in zip(tables, per_count)}, int(n_tokens)
 
 
 @torch.no_grad()
-def evaluate_exit(model, batches, token_bytes, loops, thresholds):
+def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None):
     """[{threshold, val_bpb, mean_loops}]: bpb as evaluate_bpb's, and the mean loops per scored
     token, with the KL exit rule at each threshold and at most `loops` loops."""
-    device = next(model.parameters()).device
-    sums = torch.zeros(2 * len(thresholds) + 2, dtype=torch.float64, device=device)
+    sums = torch.zeros(2 * len(thresholds) + 2, dtype=torch.float64, device=device_of(model))
     for x, y in batches:
+        x, y = x.to(sums.device), y.to(sums.device)
         n_bytes = byte_counts(token_bytes, y)
         scored = n_bytes > 0
         for i, threshold in enumerate(thresholds):
@@ -171,6 +186,8 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds):
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
             sums[2 * i:2 * i + 2] += torch.stack([loss.view_as(y)[scored].sum(),
                                                   model.exit_loops[scored].sum()]).double()
+            if progress:
+                progress()
         sums[-2:] += torch.stack([n_bytes.sum(), scored.sum()]).double()
     all_reduce_sum(sums)
     (n_bytes, n_tokens), s = sums[-2:].tolist(), sums[:-2].view(-1, 2).tolist()
@@ -178,6 +195,34 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds):
         raise ValueError("evaluate_exit: the batches hold no target tokens with a byte count > 0")
     return [{"threshold": t, "val_bpb": nats / (math.log(2) * n_bytes), "mean_loops": used / n_tokens}
             for t, (nats, used) in zip(thresholds, s)]
+
+
+# ----------------------------------------------------------------------------- which tokens are scored
+def protocol_chunks(files, tokenizer, seq_len, n_tokens, ranks, batch, rank=0, world=1):
+    """(this process's share of the chunks, chunks requested): the validation chunks an evaluation
+    on `ranks` processes at device batch `batch` scores, as the authors' loader cuts them. Simulated
+    rank r streams its own row groups (data.DataLoader), cut into (x, y) chunks of batch * seq_len
+    + 1 tokens, and scores the first n_tokens // (ranks * batch * seq_len) of them, or all of them
+    if its row groups end sooner (never a second pass). The ranks' chunks, in order, are shared among
+    the `world` processes in contiguous runs: any split gives the same sums."""
+    steps = max(1, n_tokens // (ranks * batch * seq_len))
+    per = -(-ranks * steps // world)
+    first, last = rank * per, min(ranks * steps, (rank + 1) * per)  # this process's chunks [first, last)
+    chunks = []
+    for r in range(first // steps, -(-last // steps)) if first < last else ():
+        stream = data.DataLoader(files, tokenizer, batch, seq_len, r, ranks, cycle=False)
+        lo, hi = max(first - r * steps, 0), min(last - r * steps, steps)
+        chunks += list(islice(stream, lo, hi))
+    return chunks, ranks * steps
+
+
+def rows(chunks, batch_size):
+    """The (x, y) rows of chunks, regrouped into batches of batch_size rows: the loss of a row does
+    not depend on the rows beside it."""
+    if not chunks:
+        return []
+    x, y = (torch.cat(t) for t in zip(*chunks))
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
 
 
 # ----------------------------------------------------------------------------- WikiText-2
@@ -193,24 +238,26 @@ def load_rows(path):
         return [line if line.strip() else "" for line in f]
 
 
-def wiki_windows(tokenizer, rows, n):
-    """BOS + tokens of every row, concatenated, cut into non-overlapping windows of n tokens; the
-    remainder is dropped (the authors' protocol)."""
+def wiki_windows(tokenizer, rows, seq_len, batch):
+    """The authors' WikiText windows: BOS + tokens of every row in one stream, chunks of
+    batch * seq_len + 1 tokens at a stride of batch * seq_len, each chunk `batch` rows of seq_len
+    inputs whose targets are the next seq_len tokens; the tokens after the last whole chunk are
+    dropped. Returns the rows as windows of seq_len + 1 tokens (overlapping by one)."""
     ids = [t for row in tokenizer.encode_batch(rows) for t in [tokenizer.bos_id] + row]
-    if len(ids) < n:
-        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one window of sequence_len + 1 = {n}")
-    return [ids[i:i + n] for i in range(0, len(ids) - n + 1, n)]
+    n = (len(ids) - 1) // (batch * seq_len) * batch
+    if n == 0:
+        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one chunk of {batch} x sequence_len + 1 = "
+                         f"{batch * seq_len + 1}")
+    return [ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]
 
 
-def evaluate_ppl(model, tokenizer, rows, loops_list, batch_size):
-    """{K: perplexity} of WikiText rows by the window protocol of the module docstring."""
+def evaluate_ppl(model, windows, loops_list, batch_size, progress=None):
+    """{K: perplexity}: exp(mean NLL) of every target of the windows (wiki_windows)."""
     rank, world = rank_world()
-    mine = wiki_windows(tokenizer, rows, model.config.sequence_len + 1)[rank::world]
-    device = next(model.parameters()).device
-    batches = ((w[:, :-1], w[:, 1:]) for w in (torch.tensor(mine[i:i + batch_size], device=device)
-                                               for i in range(0, len(mine), batch_size)))
-    nats, n_tokens = loss_sums(model, batches, loops_list, lambda y: torch.ones_like(y))
-    return {K: math.exp(s / n_tokens) for K, s in zip(loops_list, nats)}
+    mine = torch.tensor(windows[rank::world], dtype=torch.long).view(-1, len(windows[0]))
+    batches = ((w[:, :-1], w[:, 1:]) for w in mine.split(batch_size))
+    [sums] = loss_sums(model, batches, loops_list, [torch.ones_like], progress)
+    return {K: math.exp(s / sums[-1]) for K, s in zip(loops_list, sums)}
 
 
 # ----------------------------------------------------------------------------- CORE
@@ -283,7 +330,8 @@ def render(task, item, examples):
 
 
 def task_sequences(tokenizer, task, items, idx, max_len):
-    """Item idx as [(tokens, s)], one per option: the span tokens[s:] is scored."""
+    """Item idx as [(tokens, s)], one per option: the span tokens[s:] is scored. Longer than max_len
+    tokens (the model's longest input, longest_input) is a ValueError naming the task and item."""
     examples = [items[j] for j in fewshot_indices(idx, len(items), task["fewshot"])]
     seqs = [[tokenizer.bos_id] + ids for ids in tokenizer.encode_batch(render(task, items[idx], examples))]
     # os.path.commonprefix compares any sequences element-wise, token lists included
@@ -298,25 +346,32 @@ def task_sequences(tokenizer, task, items, idx, max_len):
             raise ValueError(f"task {task['label']!r} item {idx}: the prompt without the continuation is not a "
                              "token prefix of the prompt with it (nanochat's evaluator asserts this)")
         starts = [len(without)]
-    cropped = []
-    for s, start in zip(seqs, starts):
-        crop = max(0, len(s) - max_len)  # nanochat keeps the last max_len tokens
-        if start < crop:
-            raise ValueError(f"task {task['label']!r} item {idx}: the scored span ({len(s) - start} tokens) is "
-                             f"longer than sequence_len={max_len}")
-        cropped.append((s[crop:], start - crop))
-    return cropped
+    for s in seqs:  # fed whole, as the authors' core_eval does: their model has no max_seq_len
+        if len(s) > max_len:
+            raise ValueError(f"task {task['label']!r} item {idx}: a prompt of {len(s)} tokens is longer than the "
+                             f"{max_len} positions of the model's RoPE table ({ROPE_SPAN} x sequence_len)")
+    return list(zip(seqs, starts))
 
 
-def score_sequences(model, seqs, loops_list, batch_size):
+def longest_input(model):
+    """Positions the model's RoPE table covers: the longest sequence it takes."""
+    return ROPE_SPAN * model.config.sequence_len
+
+
+def score_sequences(model, seqs, loops_list, batch_size, progress=None):
     """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
-    for [(tokens, s)], batch_size sequences per forward, sorted by length to limit padding."""
-    device = next(model.parameters()).device
+    for [(tokens, s)], sorted by length to limit padding, batch_size sequences per forward; a long
+    prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len."""
+    device = device_of(model)
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
-    for b in range(0, len(order), batch_size):
-        chunk = order[b:b + batch_size]
+    chunks, budget = [[]], batch_size * model.config.sequence_len
+    for i in sorted(range(len(seqs)), key=lambda i: len(seqs[i][0])):  # each the longest of its chunk
+        current = chunks[-1]
+        if current and (len(current) == batch_size or (len(current) + 1) * len(seqs[i][0]) > budget):
+            chunks.append([])
+        chunks[-1].append(i)
+    for chunk in chunks if seqs else ():
         rows = [seqs[i] for i in chunk]
         # every token is fed, as nanochat does; position p predicts y[p] = tokens[p + 1]. Right
         # padding (targets -1, ignored) never changes the causal positions before it.
@@ -330,13 +385,18 @@ def score_sequences(model, seqs, loops_list, batch_size):
         for K, (loss, pred) in loop_losses(model, x, y, loops_list).items():
             mean[K][chunk] = ((loss * span).sum(1) / span.sum(1)).double().cpu()  # an empty span: 0/0 = NaN
             exact[K][chunk] = ((pred == y) | ~span).all(1).cpu()
+        if progress:
+            progress(len(chunk))
     return {K: (mean[K], exact[K]) for K in loops_list}
 
 
-def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size):
-    """{K: [whether item idx is answered right, for idx in idxs]} by nanochat's decision rules."""
-    seqs = [task_sequences(tokenizer, task, items, i, model.config.sequence_len) for i in idxs]
-    scores = score_sequences(model, [s for item in seqs for s in item], loops_list, batch_size)
+def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size, log=None):
+    """{K: [whether item idx is answered right, for idx in idxs]} by nanochat's decision rules;
+    progress lines through log, if given."""
+    seqs = [task_sequences(tokenizer, task, items, i, longest_input(model)) for i in idxs]
+    flat = [s for item in seqs for s in item]
+    progress = log and data.Progress(f"CORE {task['label']}", len(flat), "sequences", log=log)
+    scores = score_sequences(model, flat, loops_list, batch_size, progress)
     correct = {}
     for K, (mean, exact) in scores.items():
         if task["type"] == "language_modeling":  # one sequence per item
@@ -349,13 +409,13 @@ def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size):
     return correct
 
 
-def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-1):
+def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-1, log=None):
     """{K: accuracy} on one task. Under torchrun each rank scores every world-th item."""
     items = load_items(task, max_per_task)
     rank, world = rank_world()
-    correct = item_correct(model, tokenizer, task, items, range(rank, len(items), world), loops_list, batch_size)
-    counts = torch.tensor([sum(correct[K]) for K in loops_list], dtype=torch.float64,
-                          device=next(model.parameters()).device)
+    correct = item_correct(model, tokenizer, task, items, range(rank, len(items), world), loops_list, batch_size,
+                           log)
+    counts = torch.tensor([sum(correct[K]) for K in loops_list], dtype=torch.float64, device=device_of(model))
     all_reduce_sum(counts)
     return {K: c / len(items) for K, c in zip(loops_list, counts.tolist())}
 
@@ -365,12 +425,13 @@ def centered(accuracy, baseline_percent):
     return (accuracy - r) / (1 - r)
 
 
-def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=-1, log=print):
-    """{K: {"CORE": mean centered accuracy, "tasks": {label: {"accuracy", "centered"}}}}."""
+def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=-1, log=print, progress=False):
+    """{K: {"CORE": mean centered accuracy, "tasks": {label: {"accuracy", "centered"}}}}; a line per
+    task through log, and progress lines within each task if progress."""
     results = {K: {"tasks": {}} for K in loops_list}
     for task in tasks:
         t0 = time.time()
-        accuracy = evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task)
+        accuracy = evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task, progress and log)
         for K, a in accuracy.items():
             results[K]["tasks"][task["label"]] = {"accuracy": a, "centered": centered(a, task["baseline"])}
         log(f"{task['label']:<34} {task['fewshot']:>2}-shot  " + "  ".join(
@@ -398,17 +459,18 @@ def fetch_bundle(bundle_dir, url):
 
 
 # ----------------------------------------------------------------------------- samples and the table
-def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=None):
+def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=None, progress=None):
     """{K: [prompt + continuation for each of SAMPLE_PROMPTS]}."""
-    device = next(model.parameters()).device
     texts = {K: [] for K in loops_list}
     for K in loops_list:
         for prompt in SAMPLE_PROMPTS:
             ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
             n = min(max_new_tokens, model.config.sequence_len - len(ids))
-            new = [t.item() for t in model.generate(torch.tensor([ids], device=device), n,
+            new = [t.item() for t in model.generate(torch.tensor([ids], device=device_of(model)), n,
                                                      temperature, seed=seed, loops=K)]
             texts[K].append(tokenizer.decode(ids[1:] + new))  # decoded whole: no split characters
+            if progress:
+                progress()
     return texts
 
 
@@ -428,7 +490,6 @@ def table(results):
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------- main
 def write_results(json_path, record, md):
     """eval.json (record + the table) and eval.md beside it, each replaced atomically."""
     for path, text in ((json_path, json.dumps(record | {"table": md}, indent=1)),
@@ -447,19 +508,145 @@ def val_shard(settings, data_dir):
     return data.download(f"{data.DEFAULT_BASE_URL}/{name}", os.path.join(data_dir, name))
 
 
-def main(argv):
+# ----------------------------------------------------------------------------- the modes
+# Each mode is planned first (its inputs fetched and counted: the plan line, the forwards this
+# process will run), then run: run() returns ({K: {key: value}}, what was measured).
+def progress_of(ctx, label, total, unit="forwards"):
+    return data.Progress(label, total, unit, log=ctx.print0) if ctx.rank == 0 else None
+
+
+def validation(c, ctx):
+    """The validation batches of the bpb and exit modes, built once: the authors' chunks (module
+    docstring), this process's share, regrouped into batches of batch_size rows."""
+    if ctx.val is None:
+        files = c.val_files.split(",") if c.val_files else [ctx.fetched(lambda: val_shard(ctx.settings, ctx.data_dir))]
+        chunks, n_chunks = protocol_chunks(files, ctx.tokenizer, ctx.seq_len, c.bpb_tokens, c.protocol_ranks,
+                                           c.protocol_batch, ctx.rank, ctx.world)
+        counts = torch.tensor([sum(int((y >= 0).sum()) for _, y in chunks), len(chunks)], device=ctx.dev)
+        all_reduce_sum(counts)
+        requested = n_chunks * c.protocol_batch * ctx.seq_len
+        targets, n = counts.tolist()
+        forwards = f"{-(-n * c.protocol_batch // c.batch_size):,} forwards of {c.batch_size} x {ctx.seq_len}"
+        layout = f"as the authors' {c.protocol_ranks} ranks x batch {c.protocol_batch} cut it"
+        what = (f"{targets:,} tokens of {files[-1]} ({layout})" if targets == requested else
+                f"{targets:,} tokens of {files[-1]}: fewer than bpb_tokens={c.bpb_tokens:,}, so every one of "
+                f"them once ({layout}; their loader would have wrapped around and scored tokens again)")
+        ctx.val = SimpleNamespace(batches=rows(chunks, c.batch_size), what=what, forwards=forwards, measured=dict(
+            tokens=targets, requested=requested, files=files, ranks=c.protocol_ranks, batch=c.protocol_batch))
+        ctx.tables = {count: ctx.tokenizer.token_bytes(count).to(ctx.dev) for count in BYTE_COUNTS}
+    return ctx.val
+
+
+def bpb_mode(c, ctx):
+    val = validation(c, ctx)
+
+    def run():
+        bpb, n_tokens = evaluate_bpb(ctx.model, val.batches, ctx.tables, ctx.loops,
+                                     progress_of(ctx, "val bpb", len(val.batches)))
+        ctx.print0("val bpb: " + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb["authors"].items()) +
+                   "  (true UTF-8 bytes: " + "  ".join(f"{v:.4f}" for v in bpb["utf8"].values()) + ")")
+        return {K: {"val_bpb": bpb["authors"][K], "val_bpb_utf8": bpb["utf8"][K]} for K in ctx.loops}, val.measured
+    return f"{val.what}; {val.forwards} at K={ctx.loops[-1]}", len(val.batches), run
+
+
+def exit_mode(c, ctx):
+    val, K_max = validation(c, ctx), ctx.loops[-1]
+    n = len(val.batches) * len(ctx.thresholds)
+
+    def run():
+        curve = evaluate_exit(ctx.model, val.batches, ctx.tables["authors"], K_max, ctx.thresholds,
+                              progress_of(ctx, "exit", n))
+        ctx.print0(f"exit rule, K <= {K_max}: " + "  ".join(
+            f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops" for r in curve))
+        return {K_max: {"exit": curve}}, val.measured
+    return (f"the bpb mode's tokens, K <= {K_max}, thresholds {ctx.thresholds}: {len(ctx.thresholds)} x "
+            f"{val.forwards}", n, run)
+
+
+def wiki_mode(c, ctx):
+    path = c.wiki_path or ctx.fetched(lambda: data.download(
+        c.wiki_url, os.path.join(ctx.data_dir, "wikitext", "wikitext-2-v1-test.parquet")))
+    windows = wiki_windows(ctx.tokenizer, load_rows(path), ctx.seq_len, c.protocol_batch)
+    n = -(-len(windows[ctx.rank::ctx.world]) // c.batch_size)
+
+    def run():
+        ppl = evaluate_ppl(ctx.model, windows, ctx.loops, c.batch_size, progress_of(ctx, "wikitext-2", n))
+        ctx.print0("wikitext-2 test ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
+        return {K: {"wiki_ppl": v} for K, v in ppl.items()}, {"tokens": len(windows) * ctx.seq_len}
+    return (f"{len(windows) * ctx.seq_len:,} tokens of {path} ({len(windows):,} rows of {ctx.seq_len}); "
+            f"{-(-len(windows) // c.batch_size):,} forwards of {c.batch_size} x {ctx.seq_len} at K={ctx.loops[-1]}",
+            n, run)
+
+
+def core_mode(c, ctx):
+    bundle = ctx.fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(ctx.data_dir, "eval_bundle"), c.bundle_url))
+    tasks = load_bundle(bundle)
+    items = [load_items(task, c.max_per_task) for task in tasks]
+    n_seqs = sum(len(it["choices"] if "choices" in it else it.get("context_options", [0])) for its in items
+                 for it in its)
+
+    def run():
+        core = evaluate_core(ctx.model, ctx.tokenizer, tasks, ctx.loops, c.batch_size, c.max_per_task,
+                             log=ctx.print0, progress=True)
+        ctx.print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
+        return core, {"items": sum(map(len, items)), "sequences": n_seqs}
+    n = -(-n_seqs // (c.batch_size * ctx.world))
+    return (f"{sum(map(len, items)):,} items in {len(tasks)} tasks of {bundle}: {n_seqs:,} sequences, about "
+            f"{n * ctx.world:,} forwards of up to {c.batch_size} at K={ctx.loops[-1]}", n, run)
+
+
+def sample_mode(c, ctx):
+    n = len(SAMPLE_PROMPTS) * len(ctx.loops) if ctx.rank == 0 else 0
+
+    def run():
+        texts = sample(ctx.model, ctx.tokenizer, ctx.loops, c.sample_tokens, c.temperature, c.seed,
+                       progress_of(ctx, "sample", n, "samples")) if ctx.rank == 0 else {}
+        for K, t in texts.items():
+            ctx.print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
+        return {K: {"samples": t} for K, t in texts.items()}, {}
+    return (f"{len(SAMPLE_PROMPTS)} prompts x {c.sample_tokens} tokens at each K in {ctx.loops}, cached decoding",
+            0, run)
+
+
+PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample_mode, "exit": exit_mode}
+HINTS = {"bpb": "--val_files=<parquet shards>", "exit": "--val_files=<parquet shards>",
+         "wiki": "--wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>", "core": "--bundle_dir=<unpacked eval_bundle>"}
+
+
+@torch.no_grad()
+def estimate(c, ctx, planned):
+    """Seconds each planned mode should take, from timing the first forwards (one warm-up, then one
+    timed) at max(loops) on a batch_size x sequence_len batch, and a few tokens of decoding."""
+    K_max, x = ctx.loops[-1], torch.zeros(c.batch_size, ctx.seq_len, dtype=torch.long, device=ctx.dev)
+    with ctx.numerics:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            loop_losses(ctx.model, x, x, [K_max])
+        forward = time.perf_counter() - t0
+        decode = 0.0
+        if "sample" in planned and ctx.rank == 0:
+            t0 = time.perf_counter()
+            list(ctx.model.generate(x[:1, :1], 4, loops=K_max))
+            decode = (time.perf_counter() - t0) / 4 * c.sample_tokens * len(SAMPLE_PROMPTS) * sum(ctx.loops) / K_max
+    return {mode: decode if mode == "sample" else forwards * forward for mode, (_, forwards, _) in planned.items()}
+
+
+def minutes(seconds):
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+# ----------------------------------------------------------------------------- main
+def parse(argv):
     if not argv or argv[0].startswith("--") or argv[0].endswith(".py"):
         raise ValueError("usage: python eval.py <checkpoint dir> [config.py] [--key=value ...]")
-    ckpt, argv = argv[0], argv[1:]
     # the run's settings live in a copy, so importing this module (train.py, tests) sees the defaults
-    c = SimpleNamespace(**configure(settings_of(globals()), argv))
+    c = SimpleNamespace(**configure(settings_of(globals()), argv[1:]))
     run_modes = [m.strip() for m in c.modes.split(",") if m.strip()]
     if not run_modes or set(run_modes) - set(MODES):
         raise ValueError(f"--modes={c.modes!r}: expected a comma-separated subset of {','.join(MODES)}")
     loops_list = [v.strip() for v in c.loops.split(",") if v.strip()]
     if not loops_list or not all(v.isdigit() and int(v) >= 1 for v in loops_list):
         raise ValueError(f"--loops={c.loops!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
-    loops_list = sorted(set(int(v) for v in loops_list))
     try:
         thresholds = [float(v) for v in c.exit_thresholds.split(",") if v.strip()]
     except ValueError:
@@ -467,8 +654,18 @@ def main(argv):
     if thresholds is None or ("exit" in run_modes) != bool(thresholds) or not all(t >= 0 for t in thresholds):
         raise ValueError(f"--exit_thresholds={c.exit_thresholds!r}: the exit mode needs, and only it takes, "
                          f"comma-separated KL thresholds >= 0, e.g. 0.1,0.03,0.01")
+    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
+        if getattr(c, key) < 1:
+            raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
+    return argv[0], c, [m for m in MODES if m in run_modes], sorted(set(map(int, loops_list))), thresholds
+
+
+def main(argv):
+    ckpt, c, run_modes, loops_list, thresholds = parse(argv)
     dev = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev == "cuda":
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={dev!r}, but this torch ({torch.__version__}) sees no CUDA device; use --device=cpu")
         dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(dev)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -479,81 +676,70 @@ def main(argv):
         if rank == 0:
             print(*args, **kwargs, flush=True)
 
+    def fetched(fetch):
+        """Rank 0 fetches first; the other ranks then find the file in place. If rank 0 failed, all raise."""
+        path = error = None
+        if rank == 0:
+            try:
+                path = fetch()
+            except Exception as e:
+                error = e
+        ok = torch.tensor(float(error is None), device=dev)
+        all_reduce_sum(ok)  # every other rank adds 1
+        if ok.item() < world:
+            raise error or RuntimeError("rank 0 could not fetch an input (its message says why)")
+        return path or fetch()
+
     model, meta = load_model(ckpt, dev, log=print0)  # the newest readable checkpoint, saying so
     model.eval()
     settings = meta.get("settings", {})
-    # the numerics the run trained with (bf16 embedding and autocast, or fp32): the same function
-    numerics = precision(model, dev.split(":")[0], c.dtype or settings.get("dtype", "fp32"))
-    tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # saved with the weights
-                                    bos=settings.get("bos_token", data.BOS))        # and its document token
-    data_dir = c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR)
-    seq_len = model.config.sequence_len
+    ctx = SimpleNamespace(model=model, settings=settings, rank=rank, world=world, dev=dev, print0=print0,
+                          fetched=fetched, loops=loops_list, thresholds=thresholds, seq_len=model.config.sequence_len,
+                          data_dir=c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR), val=None,
+                          # the numerics the run trained with (bf16 embedding and autocast, or fp32)
+                          numerics=precision(model, dev.split(":")[0], c.dtype or settings.get("dtype", "fp32")),
+                          tokenizer=data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # with the
+                                                        bos=settings.get("bos_token", data.BOS)))   # weights
     json_path = c.out or os.path.join(meta["path"], "eval.json")
-    print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K="
-           f"{model.config.loops}; evaluating K in {loops_list} on {dev}, world {world}")
-
-    def fetched(fetch):
-        """Rank 0 downloads first; the other ranks then find the file in place."""
-        path = fetch() if rank == 0 else None
-        if world > 1:
-            dist.barrier()
-        return path or fetch()
-
-    def run(mode):
-        """{K: {key: value}} of one mode."""
-        if mode in ("bpb", "exit"):  # the same validation tokens for both
-            files = c.val_files.split(",") if c.val_files else [fetched(lambda: val_shard(settings, data_dir))]
-            steps = max(1, c.bpb_tokens // (c.batch_size * seq_len * world))
-            batches = islice(data.DataLoader(files, tokenizer, c.batch_size, seq_len, rank, world, dev), steps)
-            what = f"{steps * c.batch_size * seq_len * world:,} tokens of {files[-1]}"
-            if mode == "exit":
-                curve = evaluate_exit(model, batches, tokenizer.token_bytes().to(dev), loops_list[-1], thresholds)
-                print0(f"exit rule, K <= {loops_list[-1]} ({what}): " + "  ".join(
-                    f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops" for r in curve))
-                return {loops_list[-1]: {"exit": curve}}
-            bpb = evaluate_bpb(model, batches, tokenizer.token_bytes().to(dev), loops_list)
-            print0(f"val bpb ({what}): " + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb.items()))
-            return {K: {"val_bpb": v} for K, v in bpb.items()}
-        if mode == "wiki":
-            path = c.wiki_path or fetched(lambda: data.download(
-                c.wiki_url, os.path.join(data_dir, "wikitext", "wikitext-2-v1-test.parquet")))
-            ppl = evaluate_ppl(model, tokenizer, load_rows(path), loops_list, c.batch_size)
-            print0("wikitext-2 test ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
-            return {K: {"wiki_ppl": v} for K, v in ppl.items()}
-        if mode == "core":
-            bundle = fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(data_dir, "eval_bundle"),
-                                                  c.bundle_url))
-            core = evaluate_core(model, tokenizer, load_bundle(bundle), loops_list, c.batch_size,
-                                 c.max_per_task, log=print0)
-            print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
-            return core
-        if rank > 0:  # sample: rank 0 alone
-            return {}
-        texts = sample(model, tokenizer, loops_list, c.sample_tokens, c.temperature, c.seed)
-        for K, t in texts.items():
-            print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
-        return {K: {"samples": t} for K, t in texts.items()}
-
-    results, done = {K: {} for K in loops_list}, []
-    for mode in (m for m in MODES if m in run_modes):
+    print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K={model.config.loops}; "
+           f"evaluating K in {loops_list} on {dev}, world {world}")
+    planned, failed = {}, {}
+    for mode in run_modes:  # the plan: inputs fetched and counted, no forward yet
         try:
-            with numerics:
-                for K, r in run(mode).items():
-                    results[K].update(r)
+            planned[mode] = PLANS[mode](c, ctx)
+            print0(f"plan {mode:<6} {planned[mode][0]}")
         except Exception as e:
-            print0(f"eval.py: mode {mode!r} failed ({e}); saved in {json_path}: {done or 'nothing'}. Inputs are "
-                   "downloaded unless given: without network, point at local files with --val_files=<parquet "
-                   "shards> (bpb), --wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens> (wiki), "
-                   "--bundle_dir=<unpacked eval_bundle> (core).", file=sys.stderr)
-            raise
-        done.append(mode)
+            failed[mode] = e
+            print0(f"plan {mode:<6} cannot run: {e}", file=sys.stderr)
+    if planned:
+        seconds = estimate(c, ctx, planned)
+        print0("estimate (from the first forwards): " + ", ".join(f"{m} ~{minutes(s)}" for m, s in seconds.items()) +
+               f"; in all ~{minutes(sum(seconds.values()))}")
+    results, measured = {K: {} for K in loops_list}, {}
+    for mode, (_, _, run) in planned.items():
+        try:
+            with ctx.numerics:
+                per_K, measured[mode] = run()
+        except Exception as e:
+            failed[mode] = e
+            print0(f"eval.py: mode {mode!r} failed: {e}", file=sys.stderr)
+            continue
+        for K, r in per_K.items():
+            results[K].update(r)
         if rank == 0:
             write_results(json_path, {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
-                                      "results": {str(K): r for K, r in results.items()}}, table(results))
-    print0("\n" + table(results) + f"written to {json_path}")
+                                      "measured": measured, "results": {str(K): r for K, r in results.items()}},
+                          table(results))
+    print0("\n" + table(results) + (f"written to {json_path}" if measured else "nothing computed"))
     if world > 1:
         dist.barrier()  # rank 0 was writing; no rank tears the group down under another
         dist.destroy_process_group()
+    if failed:
+        print0(f"eval.py: {len(failed)} of {len(run_modes)} modes could not run: " + "; ".join(
+            f"{m} ({e})" for m, e in failed.items()) + f". Saved in {json_path}: {list(measured) or 'nothing'}. "
+            "Inputs are downloaded unless given; without network point at local files: " +
+            ", ".join(HINTS[m] for m in failed if m in HINTS), file=sys.stderr)
+        raise SystemExit(1)
     return results
 
 

@@ -192,14 +192,19 @@ def overlay(runs, panels, title, xlabel="step", mark_stops=True, marker=None):
     return fig
 
 
-def curves(command, logs, labels, loops):
-    """The figure of a log subcommand: its panels over the runs' logs."""
+def curves(command, logs, labels, loops, clipped=False):
+    """The figure of a log subcommand: its panels over the runs' logs. Gradient norms are before
+    clipping (the paper's words), or with clipped as the authors' script logged them: rank 0's own
+    gradient after clipping (train.py's grad_<module>_clipped)."""
+    grad = "_clipped" if clipped else ""
+    view = " (rank 0, after clipping)" if clipped else ""
     panels = {
         "diag": [("residual-state norm, loop 1", "norm", loop_norm(1), False), SMOOTHED_LOSS,
-                 ("first-layer FFN gradient norm", "gradient norm", series(lambda r: r.get("grad_mlp_first")), True)],
+                 (f"first-layer FFN gradient norm{view}", "gradient norm",
+                  series(lambda r: r.get(f"grad_mlp_first{grad}")), True)],
         "loss": [SMOOTHED_LOSS],
         "resid": [(f"residual-state norm, loop {k}", "norm", loop_norm(k), False) for k in loops],
-        "grads": [(f"{name} gradient norm", "gradient norm", series(lambda r, key=key: r.get(key)), True)
+        "grads": [(f"{name} gradient norm{view}", "gradient norm", series(lambda r, key=key: r.get(key + grad)), True)
                   for name, key in (("LM head", "grad_lm_head"), ("5th-layer FFN", "grad_mlp_mid"),
                                     ("5th-layer attention", "grad_attn_mid"))],
         "core": [("CORE during training", "CORE (mean centered accuracy)", series(lambda r: r.get("core")), False)],
@@ -303,6 +308,9 @@ def main(argv):
     commands.choices["sweep"].add_argument("--metric", default="avg", help="avg (of the six tasks), val_bpb, "
                                            "wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
+    for command in ("diag", "grads"):
+        commands.choices[command].add_argument("--clipped", action="store_true", help="gradient norms as the "
+                                               "authors' base_check.py logged them: rank 0's own, after clipping")
     commands.choices["table"].add_argument("--paper", action="store_true", help="the paper's numbers below ours")
     args = parser.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):
@@ -320,7 +328,7 @@ def main(argv):
     elif args.command == "exit":
         fig = exit_curves(args.runs, labels)
     else:
-        fig = curves(args.command, args.runs, labels, getattr(args, "loops", ()))
+        fig = curves(args.command, args.runs, labels, getattr(args, "loops", ()), getattr(args, "clipped", False))
     save(fig, args.out)
     return fig
 

@@ -30,7 +30,7 @@ out_root = "out"
 resume = False              # continue from the newest readable checkpoint in out_dir
 overwrite = False           # a fresh run may delete the run already in out_dir (else it refuses)
 eval_interval = 100         # validation bits-per-byte every N steps (and at the last step)
-eval_tokens = 2**15         # validation tokens per evaluation during training
+eval_tokens = 2**15         # validation tokens per evaluation during training (at most the whole split, once)
 final_eval_tokens = 2**16   # validation tokens at the last step (the paper: 40 * 2**19)
 save_interval = 100         # checkpoint every N steps (and at the last step)
 keep_checkpoints = 2        # the newest N step_* directories are kept; 0 = keep every one
@@ -42,7 +42,8 @@ sample_tokens = 64          # tokens sampled at the end of training (0 = no samp
 # data
 dataset = "embedded"        # embedded (built from Python's own docs, no network) | fineweb
 data_dir = "data"
-num_shards = -1             # fineweb training shards to download; -1 = enough for the horizon
+num_shards = data.AUTHORS_TRAIN_SHARDS  # fineweb training shards (the authors': 0-248, validation 249);
+                            # -1 = only as many as the horizon needs
 tokenizer = "bpe"           # bpe = train a byte-level BPE on the corpus; or a tokenizer.json / hub name
 bpe_vocab_size = 4096
 bos_token = "<|endoftext|>"  # the document token before every document (the paper's Qwen3 runs: <|im_start|>)
@@ -166,6 +167,16 @@ def size_and_horizon(config):
     return model, horizon, steps
 
 
+def training_shards(tokens):
+    """FineWeb-Edu training shards to fetch: num_shards, or -1: enough for `tokens`. Too few for the
+    horizon is said up front; the loader says again when it starts a second pass."""
+    n = num_shards if num_shards > 0 else data.shards_for_tokens(tokens)
+    if tokens > n * data.SHARD_TOKENS:
+        print(f"warning: {tokens:.3e} training tokens from {n} shards of ~{data.SHARD_TOKENS:.2g} tokens: the run "
+              f"will see its data more than once (num_shards={num_shards})", flush=True)
+    return n
+
+
 def plan():
     """--dry_run: what this run costs, from the settings alone: nothing is downloaded or trained."""
     if tokenizer == "bpe" or os.path.isfile(tokenizer):
@@ -183,7 +194,7 @@ def plan():
     gib = {(c, k): model.estimate_memory(device_batch_size, bf16, compiled=c, checkpoint_loops=k,
                                          world_size=gpus)["total"] / 2**30
            for c in (False, True) for k in (False, True)}
-    shards = data.shards_for_tokens(tokens) if dataset == "fineweb" else 0
+    shards = training_shards(tokens) if dataset == "fineweb" else 0
     peak = peak_flops(name)
     hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
     print(f"run plan for {out_dir} (nothing downloaded or trained)\n"
@@ -195,7 +206,8 @@ def plan():
           f"{20 * horizon['non_embedding' if horizon_params == 'all' else 'all'] // total_batch_size:,} steps)\n"
           f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
           f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
-                               f"{(shards + 1) * data.SHARD_GB:.1f} GB" if shards else "the embedded corpus") + "\n"
+                               f"{(shards + 1) * data.SHARD_GB:.1f} GB, ~{shards * data.SHARD_TOKENS:.2e} tokens "
+                               f"for {tokens:.2e}" if shards else "the embedded corpus") + "\n"
           f"  memory/GPU  device_batch_size={device_batch_size}, {bf16}, {gpus} GPUs (estimate, GiB):\n"
           f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
           f"compiled {gib[True, False]:.1f}, checkpoint_loops {gib[True, True]:.1f}\n"
@@ -263,8 +275,7 @@ else:
 config = model_config(tok.vocab_size if tok else bpe_vocab_size)
 _, horizon, num_steps = size_and_horizon(config)
 if dataset == "fineweb":
-    n_train = num_shards if num_shards > 0 else data.shards_for_tokens(num_steps * total_batch_size)
-    shards = data.download_shards(n_train, data_dir)
+    shards = data.download_shards(training_shards(num_steps * total_batch_size), data_dir)
 if tok is None:
     tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
@@ -282,7 +293,7 @@ if total_batch_size % tokens_per_fwd:
     raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of device_batch_size * "
                      f"sequence_len * world_size = {tokens_per_fwd}")
 grad_accum = total_batch_size // tokens_per_fwd
-token_bytes = tok.token_bytes().to(device)
+byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.BYTE_COUNTS}
 core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fetched before the group started
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
@@ -353,15 +364,33 @@ watched = {"mlp_first": model.transformer.h[0].mlp, "lm_head": model.lm_head,
            "mlp_mid": model.transformer.h[mid].mlp, "attn_mid": model.transformer.h[mid].attn}
 
 
+val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
+
+
+@torch.no_grad()
+def clipped_norms():
+    """The watched modules' gradient norms as the authors' diagnostic script (scripts/base_check.py)
+    logs them: of rank 0's own gradient (before the ranks are averaged), after clip_grad_norm_ with
+    its own total norm. The paper's figures say "before clipping": the grad_<module> keys."""
+    sq = {p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None}
+    parts = torch.stack([sum(sq.values())] + [sum(sq[p] for p in m.parameters()) for m in watched.values()])
+    total, *module = parts.sqrt().tolist()
+    coef = min(1.0, grad_clip / (total + 1e-6))
+    return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, module)}
+
+
 def validate(n_tokens):
-    """Validation bits-per-byte at the trained loop count, on the same held-out tokens each time."""
-    val = data.DataLoader(val_files, tok, device_batch_size, sequence_len, rank, world_size, device)
+    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained loop count, as the authors' training
+    loop measures it: each rank scores n_tokens // (world_size * device_batch_size * sequence_len)
+    chunks of its own validation stream (eval.protocol_chunks), never more than one pass."""
+    if n_tokens not in val_chunks:
+        val_chunks[n_tokens] = evaluation.protocol_chunks(val_files, tok, sequence_len, n_tokens, world_size,
+                                                          device_batch_size, rank, world_size)[0]
     model.eval()
     with autocast:
-        bpb = evaluation.evaluate_bpb(model, (next(val) for _ in range(max(1, n_tokens // tokens_per_fwd))),
-                                      token_bytes, [config.loops])
+        bpb, n = evaluation.evaluate_bpb(model, val_chunks[n_tokens], byte_tables, [config.loops])
     model.train()
-    return bpb[config.loops]
+    return {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops], "val_tokens": n}
 
 
 def core():
@@ -405,14 +434,14 @@ while True:
     last_step = step == num_steps  # the last step only evaluates and saves
     record = {"step": step}
     if step % eval_interval == 0 or last_step:
-        record["val_bpb"] = validate(eval_tokens)
-        print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f}")
+        record.update(validate(eval_tokens))
+        print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f} ({record['val_tokens']:,} tokens)")
     if core_interval and (step % core_interval == 0 or last_step):
         record["core"] = core()
         print0(f"step {step:5d} | CORE {record['core']:.4f}")
     if last_step:  # the paper's final number, on more tokens than the in-training checks
-        record["final_val_bpb"] = validate(final_eval_tokens)
-        print0(f"final val bpb ({final_eval_tokens:,} tokens): {record['final_val_bpb']:.4f}")
+        record.update({f"final_{k}": v for k, v in validate(final_eval_tokens).items()})
+        print0(f"final val bpb ({record['final_val_tokens']:,} tokens): {record['final_val_bpb']:.4f}")
     if step > start_step and (step % save_interval == 0 or last_step):
         last_good = save(step)
     if last_step:
@@ -434,6 +463,8 @@ while True:
     if ddp:
         dist.all_reduce(stats)
     train_loss, resid = stats[0].item() / world_size, stats[1].item()
+    if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
+        record.update(clipped_norms())
     norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
     total_norm = math.sqrt(sum(norms.values()))
     if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves

@@ -8,3 +8,4 @@ warmdown_frac = 0.2
 out_root = "out/diag"
 divergence_window = 0          # the figures show the collapse, so nothing stops early
 save_interval = 500
+eval_interval = 200            # the authors' check.sh / base_check.py

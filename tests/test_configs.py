@@ -1,6 +1,7 @@
 """Every file in config/ applies cleanly to train.py's real settings (so renaming a setting
 breaks CI), and each experiment file sets what its name says. Nothing is trained."""
 import ast
+import inspect
 import math
 import os
 
@@ -23,11 +24,11 @@ def train_defaults():
     for node in tree.body:
         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "settings":
             break
-        if isinstance(node, ast.Assign):
+        if isinstance(node, (ast.Assign, ast.Import, ast.ImportFrom)):  # a default may name a module's constant
             body.append(node)
     namespace = {}
     exec(compile(ast.Module(body=body, type_ignores=[]), "train.py", "exec"), namespace)
-    return {k: v for k, v in namespace.items() if not k.startswith("_")}
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
 
 
 def apply(name, monkeypatch):
@@ -67,6 +68,10 @@ def test_recipes_say_what_their_names_say(monkeypatch):
     assert (paper["dataset"], paper["total_batch_size"], paper["sequence_len"], paper["num_steps"]) == \
         ("fineweb", 2**19, 1024, -1)
     assert (paper["bos_token"], paper["final_eval_tokens"]) == ("<|im_start|>", 40 * 2**19)
+    # the authors' data, tokenizer and in-training validation (run.sh, nanochat/tokenizer.py, base_train.py)
+    assert (paper["num_shards"], paper["tokenizer"], paper["eval_interval"], paper["eval_tokens"]) == \
+        (249, "Qwen/Qwen3-4B", 250, 20 * 2**19)
+    assert diag["eval_interval"] == 200  # check.sh's base_check.py
     assert (small["depth"], base["depth"]) == (6, 12)
     assert (flt["depth"], flt["variant"], flt["loops"], flt["out_dir"]) == (12, "FLT", 9, "")
     # the authors' diagnostic script: 2000 steps, no warm-up, linear warm-down over the last 20%

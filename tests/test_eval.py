@@ -19,6 +19,7 @@ import string
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from types import SimpleNamespace
 
@@ -263,12 +264,33 @@ def test_lm_prompt_that_is_no_token_prefix_is_an_error():
         spans("language_modeling", [{"context": "Q 4", "continuation": "2"}], delimiter="")
 
 
-def test_long_sequences_keep_their_last_sequence_len_tokens():
+def test_long_sequences_are_fed_whole_up_to_the_rope_table():
+    """The authors' model has no max_seq_len, so their core_eval never crops: a prompt goes in whole.
+    Longer than the model's RoPE table (max_len) is an error naming the task and the item."""
     item = {"query": "Q:", "choices": ["the cat sat", "the cat ran", "the dog"], "gold": 0}
-    assert spans("multiple_choice", [item], max_len=4) == [([18, 1, 2, 3], [2, 3]), ([18, 1, 2, 4], [2, 4]),
-                                                           ([19, 18, 1, 5], [5])]
-    with pytest.raises(ValueError, match="item 0.*longer than sequence_len=1"):
-        spans("multiple_choice", [item], max_len=1)
+    assert spans("multiple_choice", [item], max_len=6) == [([0, 19, 18, 1, 2, 3], [2, 3]), ([0, 19, 18, 1, 2, 4], [2, 4]),
+                                                           ([0, 19, 18, 1, 5], [5])]
+    with pytest.raises(ValueError, match="task 't' item 0: a prompt of 6 tokens is longer than the 5 positions"):
+        spans("multiple_choice", [item], max_len=5)
+
+
+@torch.no_grad()
+def test_a_prompt_longer_than_sequence_len_is_scored_whole():
+    """A 10-shot prompt of ~3 x sequence_len tokens: its span's loss is the loss of ONE forward over
+    the whole sequence (no crop), as the authors' core_eval computes it."""
+    model = randomize_(tiny_gpt(seq_len=16, vocab_size=WTOK.vocab_size))
+    items = [{"query": f"Q: the cat {w}", "choices": ["sat", "ran"], "gold": i % 2}
+             for i, w in enumerate(["is hot", "is cold", "was too big", "ran", "sat", "dog", "ice", "the", "she",
+                                    "because", "42", "hot"])]
+    task = dict(label="t", type="multiple_choice", fewshot=10, delimiter=" ")
+    seqs = ev.task_sequences(WTOK, task, items, 0, ev.longest_input(model))
+    assert ev.longest_input(model) == 160 and all(40 < len(t) <= 160 for t, _ in seqs)
+    scores = ev.score_sequences(model, seqs, [1, 3], batch_size=2)
+    for K in (1, 3):
+        for i, (toks, start) in enumerate(seqs):
+            logits = model(torch.tensor([toks]), loops=K)[0]
+            loss = F.cross_entropy(logits[start - 1:-1], torch.tensor(toks[start:]))
+            assert scores[K][0][i].item() == pytest.approx(loss.item(), rel=1e-4)
 
 
 def test_fewshot_examples_come_from_the_items_left_after_the_cut(tmp_path):
@@ -393,9 +415,10 @@ def test_ties_go_to_the_first_option_and_nan_as_python_min():
 # ----------------------------------------------------------------------------- CORE against nanochat's rules
 
 
-def nanochat_example(model, tok, data, idx, task, K, max_len):
-    """([(kept tokens, span start)] per option, whether item idx is right): nanochat's core_eval
-    rules re-implemented plainly, one item per forward with BOS as padding, as nanochat runs it."""
+def nanochat_example(model, tok, data, idx, task, K):
+    """([(tokens, span start)] per option, whether item idx is right): the authors' core_eval
+    rules re-implemented plainly, one item per forward with BOS as padding, as nanochat runs it;
+    the authors' model has no max_seq_len, so nothing is cropped."""
     item, d, kind, k = data[idx], task["delimiter"], task["type"], task["fewshot"]
     shots = [data[i] for i in random.Random(1234 + idx).sample([i for i in range(len(data)) if i != idx], k)] if k else []
     if kind == "multiple_choice":
@@ -421,9 +444,6 @@ def nanochat_example(model, tok, data, idx, task, K, max_len):
         else:  # schema: the common tail, counted from the end
             common = next((i for i in range(n) if len({s[-1 - i] for s in seqs}) > 1), n)
             starts = [len(s) - common for s in seqs]
-    crops = [max(0, len(s) - max_len) for s in seqs]
-    seqs = [s[c:] for s, c in zip(seqs, crops)]
-    starts = [s - c for s, c in zip(starts, crops)]
     ends = [len(s) for s in seqs]
     width = max(ends)
     ids = torch.tensor([s + [tok.bos_id] * (width - len(s)) for s in seqs])
@@ -484,9 +504,9 @@ def synthetic_bundle(root):
 
 @pytest.mark.parametrize("max_per_task", [-1, 5])
 def test_core_matches_a_reimplementation_of_nanochat_example_by_example(tmp_path, max_per_task):
-    """Every item of the synthetic bundle: the same kept tokens, span and decision at K = 1 and 2."""
+    """Every item of the synthetic bundle: the same tokens, span and decision at K = 1 and 2."""
     model = randomize_(tiny_gpt(seq_len=24, loops=2, vocab_size=WTOK.vocab_size))
-    n_cropped = n_items = 0
+    n_long = n_items = 0
     for task in ev.load_bundle(synthetic_bundle(tmp_path / "bundle")):
         with open(task["path"]) as f:  # nanochat's loading: every line, shuffled with 1337, then cut
             data_ = [json.loads(line) for line in f]
@@ -497,12 +517,12 @@ def test_core_matches_a_reimplementation_of_nanochat_example_by_example(tmp_path
         assert items == data_
         for idx in range(len(data_)):
             for K in (1, 2):
-                seqs, right = nanochat_example(model, WTOK, data_, idx, task, K, 24)
-                assert ev.task_sequences(WTOK, task, items, idx, 24) == seqs, (task["label"], idx)
+                seqs, right = nanochat_example(model, WTOK, data_, idx, task, K)
+                assert ev.task_sequences(WTOK, task, items, idx, 240) == seqs, (task["label"], idx)
                 assert got[K][idx] == right, (task["label"], idx, K)
-            n_cropped += any(len(t) == 24 for t, _ in seqs)
+            n_long += any(len(t) > 24 for t, _ in seqs)
         n_items += len(items)
-    assert n_items == (50 if max_per_task < 0 else 25) and n_cropped >= 5  # the long prompts were there
+    assert n_items == (50 if max_per_task < 0 else 25) and n_long >= 5  # prompts longer than sequence_len, whole
 
 
 # ----------------------------------------------------------------------------- bpb and perplexity
@@ -512,9 +532,22 @@ def test_bpb_of_uniform_logits_excludes_zero_byte_tokens():
     e, a, bos = TOK.encode("é")[0], TOK.encode("a")[0], TOK.bos_id
     x = torch.tensor([[a, a, a, a], [a, a, a, a]])
     y = torch.tensor([[a, bos, e, a], [e, e, -1, bos]])  # 5 targets with bytes: 1 + 2 + 1 + 2 + 2
-    bpb = ev.evaluate_bpb(uniform(), [(x[:1], y[:1]), (x[1:], y[1:])], TOK.token_bytes(), [1, 3])
+    bpb, n = ev.evaluate_bpb(uniform(), [(x[:1], y[:1]), (x[1:], y[1:])], {"utf8": TOK.token_bytes()}, [1, 3])
     expected = 5 * math.log(V) / (math.log(2) * 8)
-    assert bpb == {1: pytest.approx(expected), 3: pytest.approx(expected)}
+    assert bpb == {"utf8": {1: pytest.approx(expected), 3: pytest.approx(expected)}} and n == 7  # 7 targets >= 0
+
+
+def test_bpb_by_both_byte_counts():
+    """One pass, two byte tables: the authors' count (here "é" counted as 3 bytes, as U+FFFD would
+    be, and BOS as 0) and the true UTF-8 count; the losses are the same, the denominators differ."""
+    e, a, bos = TOK.encode("é")[0], TOK.encode("a")[0], TOK.bos_id
+    x, y = torch.tensor([[a, a, a, a]]), torch.tensor([[a, bos, e, e]])
+    theirs = TOK.token_bytes().clone()
+    theirs[e] = 3
+    bpb, n = ev.evaluate_bpb(uniform(), [(x, y)], {"authors": theirs, "utf8": TOK.token_bytes()}, [2])
+    nats = 3 * math.log(V)  # BOS has 0 bytes in both: out of both sums
+    assert bpb == {"authors": {2: pytest.approx(nats / (math.log(2) * 7))},
+                   "utf8": {2: pytest.approx(nats / (math.log(2) * 5))}} and n == 4
 
 
 def test_bpb_tokens_default_is_the_authors_count():
@@ -522,25 +555,35 @@ def test_bpb_tokens_default_is_the_authors_count():
 
 
 def test_wiki_windows_layout():
-    """BOS before every row (the empty one too), one stream, windows of n = 4, remainder dropped:
-    [0 a b] [0] [0 c \\n] [0 d e] -> [0 a b 0] [0 c \\n 0], and [d e] is dropped."""
+    """BOS before every row (the empty one too), one stream: 0 a b 0 0 c \\n 0 d e (10 tokens).
+    seq_len 2, batch 2: chunks of 5 tokens at a stride of 4 ((10 - 1) // 4 = 2 chunks), each two rows
+    of 2 inputs with the next 2 tokens as targets. Tokens 1..8 are targets once; e is dropped."""
     a, b, c, d, e, nl = 11, 12, 13, 14, 15, 97  # CharTokenizer ids: 1 + index in string.printable
     assert TOK.encode("abcde\n") == [a, b, c, d, e, nl]
-    assert ev.wiki_windows(TOK, ["ab", "", "c\n", "de"], 4) == [[0, a, b, 0], [0, c, nl, 0]]
-    with pytest.raises(ValueError, match="fewer than one window"):
-        ev.wiki_windows(TOK, ["ab"], 4)
+    assert ev.wiki_windows(TOK, ["ab", "", "c\n", "de"], 2, 2) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d]]
+    # batch 1, one more row: 0 a b 0 0 c \\n 0 d e 0 f: (12 - 1) // 2 = 5 chunks of 3 at a stride of 2; at
+    # batch 2 the same stream gives 2 chunks of 5 (4 rows) and drops e 0 f: the batch decides what is scored
+    rows = ["ab", "", "c\n", "de", "f"]
+    f = TOK.encode("f")[0]
+    assert ev.wiki_windows(TOK, rows, 2, 1) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d], [d, e, 0]]
+    assert ev.wiki_windows(TOK, rows, 2, 2) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d]] and f not in sum(
+        ev.wiki_windows(TOK, rows, 2, 1), [])
+    with pytest.raises(ValueError, match="fewer than one chunk of 2 x sequence_len"):
+        ev.wiki_windows(TOK, ["ab"], 2, 2)
 
 
 @torch.no_grad()
 def test_perplexity_is_exp_mean_nll_of_the_windows():
     model = randomize_(tiny_gpt(seq_len=8))
     rows = ["", " = Title = \n", "", " Some <unk> text , with 2 @-@ 3 tokens .\n", "", " More text here .\n"]
-    stream = [t for row in rows for t in [0] + TOK.encode(row)]
-    windows = torch.tensor([stream[i:i + 9] for i in range(0, len(stream) - 8, 9)])
-    assert len(stream) % 9 > 0 and windows.shape[0] == len(stream) // 9  # a remainder is dropped
-    ppl = ev.evaluate_ppl(model, TOK, rows, [1, 3], batch_size=2)
+    stream = torch.tensor([t for row in rows for t in [0] + TOK.encode(row)])
+    # the authors' loader: chunks of B*T + 1 = 17 tokens at a stride of 16, x and y viewed (2, 8)
+    chunks = [stream[i:i + 17] for i in range(0, len(stream) - 16, 16)]
+    assert len(stream) > 16 * len(chunks) + 1  # a remainder is dropped
+    x, y = torch.cat([c[:-1].view(2, 8) for c in chunks]), torch.cat([c[1:].view(2, 8) for c in chunks])
+    ppl = ev.evaluate_ppl(model, ev.wiki_windows(TOK, rows, 8, 2), [1, 3], batch_size=3)
     for K in (1, 3):
-        nll = F.cross_entropy(model(windows[:, :-1], loops=K).flatten(0, 1), windows[:, 1:].flatten())
+        nll = F.cross_entropy(model(x, loops=K).flatten(0, 1), y.flatten())
         assert ppl[K] == pytest.approx(math.exp(nll.item()), rel=1e-5)
 
 
@@ -579,13 +622,14 @@ def test_sweep_equals_separate_passes(tasks):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (3, 32), generator=g), torch.randint(0, V, (3, 32), generator=g)) for _ in range(2)]
     token_bytes = TOK.token_bytes()
-    swept = ev.evaluate_bpb(model, batches, token_bytes, [1, 2, 3])
+    swept = ev.evaluate_bpb(model, batches, {"t": token_bytes}, [1, 2, 3])[0]["t"]
     for K in (1, 2, 3):
         nats = sum(F.cross_entropy(model(x, loops=K).flatten(0, 1), y.flatten(), reduction="none")
                    [token_bytes[y.flatten()] > 0].sum() for x, y in batches)
         n_bytes = sum(token_bytes[y].sum() for _, y in batches)
         assert swept[K] == pytest.approx((nats / (math.log(2) * n_bytes)).item(), rel=1e-5)
-    seqs = [s for item in item_seqs(tasks["mc_task"], seq_len=32)[1] for s in item]
+    seqs = [s for item in item_seqs(tasks["mc_task"], seq_len=ev.longest_input(model))[1] for s in item]
+    assert max(len(s) for s, _ in seqs) > 32  # longer than sequence_len: fed whole
     scores = ev.score_sequences(model, seqs, [1, 2, 3], batch_size=8)
     for K in (1, 2, 3):
         for i, (toks, start) in enumerate(seqs):  # one unpadded sequence, one pass at this K
@@ -691,14 +735,15 @@ def test_cli_end_to_end(tmp_path):
     """A saved checkpoint through every mode: the JSON and markdown agree with the functions
     called directly."""
     model, tok, step = save_checkpoint(tmp_path)
-    (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n The opposite of hot is cold .\n" * 10)
+    (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n The opposite of hot is cold .\n" * 40)
     bundle = make_bundle(tmp_path / "bundle")
     results = ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=2,1", "--batch_size=4", "--bpb_tokens=512",
                        f"--val_files={tmp_path / 'val.parquet'}", f"--wiki_path={tmp_path / 'wiki.test.tokens'}",
                        f"--bundle_dir={bundle}", "--sample_tokens=3", f"--data_dir={tmp_path / 'nodata'}"])
     saved = json.loads((step / "eval.json").read_text())
     assert saved["step"] == 10 and list(saved["results"]) == ["1", "2"]
-    ppl = ev.evaluate_ppl(model, tok, ev.load_rows(str(tmp_path / "wiki.test.tokens")), [1, 2], 4)
+    ppl = ev.evaluate_ppl(model, ev.wiki_windows(tok, ev.load_rows(str(tmp_path / "wiki.test.tokens")), 64, 4),
+                          [1, 2], 4)
     core = ev.evaluate_core(model, tok, ev.load_bundle(bundle), [1, 2], 4, log=lambda *a: None)
     for K in (1, 2):
         r = saved["results"][str(K)]
@@ -710,22 +755,23 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
-    """bpb succeeds, then wiki cannot download (a closed port): eval.json holds val_bpb, the run
-    exits non-zero, and stderr says how to point at a local file. (data.download retries a refused
-    connection with back-off: this test waits about 15 s.)"""
+    """wiki and core cannot download (offline: their host does not resolve): the plan says so at once,
+    bpb still runs, eval.json holds its numbers, the run exits non-zero and says how to point at
+    local files."""
     _, _, step = save_checkpoint(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed when the socket is
     args = [str(tmp_path / "run"), "--device=cpu", "--loops=1", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
             f"--data_dir={tmp_path / 'data'}"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, os.path.join(root, "eval.py"), *args, "--modes=bpb,wiki,core",
-                           f"--wiki_url=http://127.0.0.1:{port}/test.parquet"], cwd=root, capture_output=True, text=True,
-                          env=os.environ | {"NO_PROXY": "127.0.0.1", "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode != 0 and "--wiki_path" in proc.stderr and "--bundle_dir" in proc.stderr
+                           "--wiki_url=http://no-such-host.invalid/test.parquet",
+                           "--bundle_url=http://no-such-host.invalid/eval_bundle.zip"], cwd=root, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1 and "--wiki_path" in out and "--bundle_dir" in out
+    assert "2 of 3 modes could not run" in out and "after 1 attempts" in out  # no retries for an unknown host
+    assert out.index("plan wiki   cannot run") < out.index("plan core   cannot run") < out.index("val bpb: K=1")
     saved = json.loads((step / "eval.json").read_text())["results"]["1"]
-    assert set(saved) == {"val_bpb"}  # wiki failed and core never ran
+    assert set(saved) == {"val_bpb", "val_bpb_utf8"}  # wiki and core failed, bpb ran
     assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "rank0.pt", "tokenizer.json"]  # no temp file
     alone = ev.main(args + ["--modes=bpb", f"--out={tmp_path / 'bpb.json'}"])
     assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
@@ -761,8 +807,8 @@ def _worker(rank, world, port, bundle, out_dir):
     model = randomize_(tiny_gpt())
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
-    result = {"bpb": ev.evaluate_bpb(model, batches[rank::world], TOK.token_bytes(), [1, 3]),
-              "ppl": ev.evaluate_ppl(model, TOK, ["hello world, " * 20], [1, 3], 2),
+    result = {"bpb": ev.evaluate_bpb(model, batches[rank::world], {"t": TOK.token_bytes()}, [1, 3])[0]["t"],
+              "ppl": ev.evaluate_ppl(model, ev.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2),
               "core": ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -781,10 +827,113 @@ def test_distributed_shares_match_one_process(tmp_path):
     model = randomize_(tiny_gpt())
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
-    bpb = ev.evaluate_bpb(model, batches, TOK.token_bytes(), [1, 3])
-    ppl = ev.evaluate_ppl(model, TOK, ["hello world, " * 20], [1, 3], 2)
+    bpb = ev.evaluate_bpb(model, batches, {"t": TOK.token_bytes()}, [1, 3])[0]["t"]
+    ppl = ev.evaluate_ppl(model, ev.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2)
     core = ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
     for K in (1, 3):
         assert r0["bpb"][str(K)] == pytest.approx(bpb[K], rel=1e-5)
         assert r0["ppl"][str(K)] == pytest.approx(ppl[K], rel=1e-5)
         assert r0["core"][str(K)]["CORE"] == pytest.approx(core[K]["CORE"])
+
+
+# ----------------------------------------------------------------------------- the protocol, the plan, progress
+
+
+def write_val(path, texts, row_group_size=1):
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=row_group_size)
+    return str(path)
+
+
+VAL_TEXTS = [f"Document {i}: " + "the opposite of hot is cold, " * (3 + 5 * i) for i in range(6)]
+
+
+@torch.no_grad()
+def test_a_split_smaller_than_requested_is_scored_once(tmp_path):
+    """bpb_tokens far beyond the split: every simulated rank's stream (its row groups r, r + 4, ...,
+    BOS + tokens of each document) is scored to its end and no further, in the authors' chunks of
+    B*T + 1 tokens, the last one partial. The hand sum below feeds each row alone, unpadded."""
+    model, tok, step = save_checkpoint(tmp_path)
+    val = write_val(tmp_path / "six.parquet", VAL_TEXTS)
+    args = [str(tmp_path / "run"), "--device=cpu", "--modes=bpb", "--loops=1,2", f"--val_files={val}",
+            "--bpb_tokens=1000000", "--protocol_ranks=4", "--protocol_batch=2", "--batch_size=3"]
+    results = ev.main(args)
+    saved = json.loads((step / "eval.json").read_text())
+    B, T, theirs, utf8 = 2, 64, tok.token_bytes("authors"), tok.token_bytes("utf8")
+    nats, n_bytes, n_utf8, n_targets, n_chunks = {1: 0.0, 2: 0.0}, 0, 0, 0, 0
+    for r in range(4):
+        stream = [t for text in VAL_TEXTS[r::4] for t in [tok.bos_id] + tok.encode(text)]
+        for i in range(0, len(stream) - 1, B * T + 1):  # a chunk's first token is no target
+            chunk, n_chunks = stream[i:i + B * T + 1], n_chunks + 1
+            for j in range(0, len(chunk) - 1, T):
+                x, y = torch.tensor([chunk[j:j + T]]), torch.tensor(chunk[j + 1:j + T + 1])
+                x = x[:, :len(y)]
+                for K in (1, 2):
+                    loss = F.cross_entropy(model(x, loops=K)[0], y, reduction="none")
+                    nats[K] += loss[theirs[y] > 0].sum().item()
+                n_bytes, n_utf8, n_targets = n_bytes + theirs[y].sum().item(), n_utf8 + utf8[y].sum().item(), n_targets + len(y)
+    assert n_targets == sum(len(tok.encode(t)) + 1 for t in VAL_TEXTS) - n_chunks > 5 * B * T  # each token once
+    assert saved["measured"]["bpb"]["tokens"] == n_targets
+    for K in (1, 2):
+        assert results[K]["val_bpb"] == pytest.approx(nats[K] / (math.log(2) * n_bytes), rel=1e-5)
+        assert results[K]["val_bpb_utf8"] == pytest.approx(nats[K] / (math.log(2) * n_utf8), rel=1e-5)
+
+
+def test_protocol_chunks_do_not_depend_on_the_processes(tmp_path):
+    """The simulated ranks' chunks, in order, whatever the number of processes sharing them."""
+    tok = bpe_tokenizer(tmp_path)
+    val = write_val(tmp_path / "six.parquet", VAL_TEXTS)
+    whole, n = ev.protocol_chunks([val], tok, 16, 16 * 2 * 3 * 5, 3, 2)
+    assert n == 15 and len(whole) == 15  # 5 chunks of each of 3 simulated ranks
+    for world in (2, 4, 16):
+        shares = [ev.protocol_chunks([val], tok, 16, 16 * 2 * 3 * 5, 3, 2, rank, world)[0] for rank in range(world)]
+        flat = [c for share in shares for c in share]
+        assert len(flat) == 15 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(flat, whole))
+    stream1 = data.DataLoader([val], tok, 2, 16, 1, 3, cycle=False)
+    assert all(torch.equal(next(stream1)[0], whole[5 + i][0]) for i in range(5))  # simulated rank 1's own stream
+
+
+def slow_forwards(monkeypatch, seconds, log=None):
+    """GPT.loop_states made slow, and (log) recording each forward in the output."""
+    from model import GPT
+    loop_states = GPT.loop_states
+
+    def slowed(self, *args, **kwargs):
+        if log is not None:
+            print(log, flush=True)
+        time.sleep(seconds)
+        return loop_states(self, *args, **kwargs)
+    monkeypatch.setattr(GPT, "loop_states", slowed)
+
+
+def test_the_plan_comes_before_any_forward(tmp_path, monkeypatch, capsys):
+    _, _, step = save_checkpoint(tmp_path)
+    slow_forwards(monkeypatch, 0, log="FORWARD")
+    bundle = make_bundle(tmp_path / "bundle")
+    ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=1,2", "--modes=bpb,core,sample", "--bpb_tokens=512",
+             f"--val_files={tmp_path / 'val.parquet'}", f"--bundle_dir={bundle}", "--sample_tokens=2"])
+    out = capsys.readouterr().out
+    first = out.index("FORWARD")
+    for mode in ("bpb", "core", "sample"):
+        assert out.index(f"plan {mode}") < first
+    assert "plan bpb    " in out and "forwards" in out.split("plan bpb")[1].split("\n")[0]
+    assert first < out.index("estimate (from the first forwards): bpb ~") < out.index("val bpb: K=1")
+
+
+def test_progress_lines_on_a_slow_mode(tmp_path, monkeypatch, capsys):
+    """Every mode reports done/total, rate and ETA while it runs (here at most every 0.05 s)."""
+    _, _, step = save_checkpoint(tmp_path)
+    slow_forwards(monkeypatch, 0.02)
+    monkeypatch.setattr(data, "PROGRESS_SECONDS", 0.05)
+    bundle = make_bundle(tmp_path / "bundle")
+    (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n The opposite of hot is cold .\n" * 40)
+    ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=1,2", "--modes=bpb,wiki,core,sample,exit",
+             "--bpb_tokens=4096", f"--val_files={write_val(tmp_path / 'six.parquet', VAL_TEXTS * 4)}",
+             f"--bundle_dir={bundle}", "--sample_tokens=3", "--batch_size=1", "--exit_thresholds=0.1",
+             f"--wiki_path={tmp_path / 'wiki.test.tokens'}"])
+    out = capsys.readouterr().out
+    for label, unit in (("val bpb", "forwards"), ("wikitext-2", "forwards"), ("CORE mc_task", "sequences"),
+                        ("sample", "samples"), ("exit", "forwards")):
+        lines = [line for line in out.splitlines() if line.startswith(f"{label}: ") and f" {unit} (" in line]
+        assert len(lines) >= 2, (label, out)
+        done, total = map(int, lines[-1].split(": ")[1].split(" ")[0].replace(",", "").split("/"))
+        assert done == total and "/s" in lines[0] and "ETA" in lines[0], lines

@@ -16,6 +16,8 @@ def write_log(path, losses, resumed_from=None, extra=None):
     def record(step, loss):
         r = dict(step=step, loss=loss, lrm=1.0, grad_norm=1.0, grad_mlp_first=0.1 * (step + 1), grad_lm_head=0.2 + step,
                  grad_mlp_mid=0.3 + step, grad_attn_mid=0.4 + step, resid_norms=[10.0 + step, 3.0, 2.0 + step],
+                 grad_mlp_first_clipped=0.01 * step, grad_lm_head_clipped=0.02 * step, grad_mlp_mid_clipped=0.03 * step,
+                 grad_attn_mid_clipped=0.04 * step,
                  tok_per_s=1e3, dt=0.1, mfu=None)
         return r | ({"val_bpb": 2.0} if step % 2 == 0 else {})
     lines = [record(s, x) for s, x in enumerate(losses)] + [{"step": len(losses), "val_bpb": 1.5}]
@@ -178,6 +180,13 @@ def test_grads(tmp_path):
                      ([0, 1, 2], pytest.approx([0.3 + s for s in range(3)])),  # 5th-layer FFN
                      ([0, 1, 2], pytest.approx([0.4 + s for s in range(3)]))]  # 5th-layer attention
     assert_png(tmp_path / "grads.png")
+    # --clipped: the authors' view (rank 0's own gradient after clipping), the *_clipped keys
+    fig = plot.main(["grads", str(run), "--clipped", "-o", str(tmp_path / "clipped.png")])
+    assert [lines_of(ax)["FLT K=6"][1] for ax in fig.axes] == [pytest.approx([k * s for s in range(3)])
+                                                                for k in (0.02, 0.03, 0.04)]
+    assert "after clipping" in fig.axes[0].get_title()
+    fig = plot.main(["diag", str(run), "--clipped", "-o", str(tmp_path / "diag.png")])
+    assert lines_of(fig.axes[2])["FLT K=6"][1] == pytest.approx([0.0, 0.01, 0.02])
 
 
 def test_core(tmp_path):

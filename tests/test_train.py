@@ -104,6 +104,12 @@ def test_short_run_learns_logs_and_saves(tmp_path, data_dir):
     assert sorted(os.listdir(out)) == ["log.jsonl", "run.lock", "settings.json", "step_000020", "step_000030"]
     assert "sample:" in p.stdout
     assert "final_val_bpb" in records[-1]
+    # the authors' diagnostic view: rank 0's own gradient (here the only one) after clipping by its norm
+    for r in records[:-1]:
+        coef = min(1.0, 1.0 / (r["grad_norm"] + 1e-6))
+        for key in ("mlp_first", "lm_head", "mlp_mid", "attn_mid"):
+            assert r[f"grad_{key}_clipped"] == pytest.approx(coef * r[f"grad_{key}"], rel=1e-4), key
+    assert any(r["grad_norm"] > 1.05 for r in records[:-1])  # clipping did change some of them
     saved = torch.load(out / "step_000030" / "model.pt", weights_only=True)
     assert saved["step"] == 30 and saved["config"]["loops"] == 3
 
@@ -447,8 +453,10 @@ def test_eval_computes_the_function_training_computed(tmp_path, data_dir):
     _, records = losses(out)
     val = os.path.join(data_dir, "embedded", "shard_00004.parquet")
     for dtype, same in (("", True), ("fp32", False)):
+        # the in-training layout (1 rank, device batch 4) instead of eval.sh's 4 x 4: the same tokens
         p = subprocess.run([sys.executable, "eval.py", str(out), "--modes=bpb", "--loops=3", "--batch_size=4",
                             "--bpb_tokens=1024", f"--val_files={val}", "--device=cpu", f"--dtype={dtype}",
+                            "--protocol_ranks=1", "--protocol_batch=4",
                             f"--out={tmp_path / (dtype or 'trained')}.json"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr

@@ -234,7 +234,7 @@ def test_evaluate_exit_spans_k2_to_kmax():
     model = make_model("FLT").double()
     token_bytes = torch.randint(0, 4, (model.config.vocab_size,), generator=torch.Generator().manual_seed(3))
     batches = [(random_tokens(2, 16, seed=s), random_tokens(2, 16, seed=s + 50)) for s in range(3)]
-    fixed = evaluation.evaluate_bpb(model, batches, token_bytes, [2, 5])
+    fixed = evaluation.evaluate_bpb(model, batches, {"t": token_bytes}, [2, 5])[0]["t"]
     curve = evaluation.evaluate_exit(model, batches, token_bytes, 5, [0.0, float("inf")])
     assert [r["threshold"] for r in curve] == [0.0, float("inf")]
     assert curve[0]["mean_loops"] == 5 and curve[1]["mean_loops"] == 2
