@@ -735,10 +735,9 @@ def main(argv):
         dist.barrier()  # rank 0 was writing; no rank tears the group down under another
         dist.destroy_process_group()
     if failed:
-        print0(f"eval.py: {len(failed)} of {len(run_modes)} modes could not run: " + "; ".join(
-            f"{m} ({e})" for m, e in failed.items()) + f". Saved in {json_path}: {list(measured) or 'nothing'}. "
-            "Inputs are downloaded unless given; without network point at local files: " +
-            ", ".join(HINTS[m] for m in failed if m in HINTS), file=sys.stderr)
+        print0(f"eval.py: {len(failed)} of {len(run_modes)} modes could not run: {', '.join(failed)} (why: above). "
+               f"Saved in {json_path}: {list(measured) or 'nothing'}. Inputs are downloaded unless given; without "
+               "network point at local files: " + ", ".join(HINTS[m] for m in failed if m in HINTS), file=sys.stderr)
         raise SystemExit(1)
     return results
 
