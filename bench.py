@@ -23,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
 from configurator import configure
-from model import GPT, config_for_depth, peak_flops, precision
+from model import GPT, config_for_depth, peak_flops
+from runtime import precision
 from optim import build_optimizers
 
 mode = "ratios"             # ratios | train | memory | loader (memory_step: one memory run)
@@ -41,7 +42,7 @@ window_pattern = "L"        # train mode
 vocab_size = 151644         # train mode: the Qwen3 vocabulary
 checkpoint_loops = False    # train mode
 compile_mode = "regional"   # train mode: eager | regional (GPT.compile_regions) | whole (torch.compile(model))
-dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (model.precision)
+dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (runtime.precision)
 steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader mode
 seconds = 5.0               # loader mode
@@ -54,7 +55,7 @@ if compile_mode not in COMPILE_MODES:
 
 
 def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's CPU BPE
-    """(model, the autocast context to run it in), numerics from model.precision."""
+    """(model, the autocast context to run it in), numerics from runtime.precision."""
     torch.manual_seed(0)
     model = GPT(config_for_depth(depth, sequence_len=seq, vocab_size=vocab, variant=variant, loops=loops, **kw))
     model.init_weights()
@@ -144,7 +145,7 @@ def ratios():
 
 
 def train():
-    """One optimizer step of the real recipe (Muon + AdamW, model.precision, compiled)."""
+    """One optimizer step of the real recipe (Muon + AdamW, runtime.precision, compiled)."""
     model, autocast = make(variant, vocab=vocab_size, attn=attn, window_pattern=window_pattern,
                            checkpoint_loops=checkpoint_loops, **({"n_kv_head": n_kv_head} if n_kv_head else {}))
     optimizers = build_optimizers(model)

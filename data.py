@@ -35,6 +35,8 @@ from urllib3.exceptions import NameResolutionError
 import tokenizers
 import torch
 
+from runtime import atomic_write
+
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 SHARD_NAME = "shard_{:05d}.parquet"
 LAST_SHARD = 1822  # shard_00000 .. shard_01822 on the hub
@@ -77,13 +79,6 @@ def _locked(path):
     finally:
         os.remove(lock)
         f.close()
-
-
-def _replace(path, write):
-    """write(tmp), then rename tmp to path: readers never see half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
 
 
 class Progress:
@@ -247,7 +242,7 @@ def write_manifest(directory, names):
             shard = os.path.join(directory, name)
             manifest[name] = {"bytes": os.path.getsize(shard), "rows": _rows(shard)}
         text = json.dumps(manifest, indent=1, sort_keys=True)
-        _replace(path, lambda tmp: pathlib.Path(tmp).write_text(text))
+        atomic_write(path, text)
 
 
 def verify_manifest(directory, names):
@@ -414,7 +409,7 @@ class Tokenizer:
         return table
 
     def save(self, path):
-        _replace(path, self.tok.save)
+        atomic_write(path, self.tok.save)
 
 
 def train_tokenizer(files, vocab_size, path):

@@ -78,7 +78,9 @@ import yaml
 import data
 from configurator import configure, settings_of
 from checkpoint import load_model
-from model import ROPE_SPAN, precision
+from model import ROPE_SPAN
+import runtime
+from runtime import print0
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
@@ -464,11 +466,8 @@ def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=N
     texts = {K: [] for K in loops_list}
     for K in loops_list:
         for prompt in SAMPLE_PROMPTS:
-            ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-            n = min(max_new_tokens, model.config.sequence_len - len(ids))
-            new = [t.item() for t in model.generate(torch.tensor([ids], device=device_of(model)), n,
-                                                     temperature, seed=seed, loops=K)]
-            texts[K].append(tokenizer.decode(ids[1:] + new))  # decoded whole: no split characters
+            texts[K].append(runtime.sample(model, tokenizer, prompt, max_new_tokens, temperature=temperature,
+                                           seed=seed, loops=K))
             if progress:
                 progress()
     return texts
@@ -492,12 +491,8 @@ def table(results):
 
 def write_results(json_path, record, md):
     """eval.json (record + the table) and eval.md beside it, each replaced atomically."""
-    for path, text in ((json_path, json.dumps(record | {"table": md}, indent=1)),
-                       (os.path.splitext(json_path)[0] + ".md", md)):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+    runtime.atomic_write(json_path, json.dumps(record | {"table": md}, indent=1))
+    runtime.atomic_write(os.path.splitext(json_path)[0] + ".md", md)
 
 
 def val_shard(settings, data_dir):
@@ -662,19 +657,9 @@ def parse(argv):
 
 def main(argv):
     ckpt, c, run_modes, loops_list, thresholds = parse(argv)
-    dev = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={dev!r}, but this torch ({torch.__version__}) sees no CUDA device; use --device=cpu")
-        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-        torch.cuda.set_device(dev)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
-    rank, world = rank_world()
-
-    def print0(*args, **kwargs):
-        if rank == 0:
-            print(*args, **kwargs, flush=True)
+    rt = runtime.setup(c.device)
+    runtime.init_group(rt)
+    dev, rank, world = rt.device, rt.rank, rt.world
 
     def fetched(fetch):
         """Rank 0 fetches first; the other ranks then find the file in place. If rank 0 failed, all raise."""
@@ -697,7 +682,7 @@ def main(argv):
                           fetched=fetched, loops=loops_list, thresholds=thresholds, seq_len=model.config.sequence_len,
                           data_dir=c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR), val=None,
                           # the numerics the run trained with (bf16 embedding and autocast, or fp32)
-                          numerics=precision(model, dev.split(":")[0], c.dtype or settings.get("dtype", "fp32")),
+                          numerics=runtime.precision(model, rt.device_type, c.dtype or settings.get("dtype", "fp32")),
                           tokenizer=data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # with the
                                                         bos=settings.get("bos_token", data.BOS)))   # weights
     json_path = c.out or os.path.join(meta["path"], "eval.json")
@@ -731,9 +716,7 @@ def main(argv):
                                       "measured": measured, "results": {str(K): r for K, r in results.items()}},
                           table(results))
     print0("\n" + table(results) + (f"written to {json_path}" if measured else "nothing computed"))
-    if world > 1:
-        dist.barrier()  # rank 0 was writing; no rank tears the group down under another
-        dist.destroy_process_group()
+    runtime.finish(rt)  # rank 0 was writing
     if failed:
         print0(f"eval.py: {len(failed)} of {len(run_modes)} modes could not run: {', '.join(failed)} (why: above). "
                f"Saved in {json_path}: {list(measured) or 'nothing'}. Inputs are downloaded unless given; without "

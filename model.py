@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from runtime import dtype_bytes  # estimate_memory's; it moves to planning.py
+
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
 # RoPE table: ROPE_SPAN * sequence_len positions, as the authors' gpt.py (rotary_seq_len =
@@ -528,25 +530,6 @@ def sample_loops(sampler, step, seed, loops, loops_min=1, loops_max=-1):
     rate = torch.empty(()).log_normal_(math.log(loops - 1) - sigma**2 / 2, sigma, generator=g)
     K = 1 + int(torch.poisson(rate, generator=g))
     return min(K, loops_max) if loops_max > 0 else K
-
-
-def dtype_bytes(dtype):
-    """Bytes per element of a precision setting, "bf16" or "fp32"."""
-    if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
-    return 2 if dtype == "bf16" else 4
-
-
-def precision(model, device_type, dtype):
-    """Set the model's numerics and return the autocast context to run it in: the one place
-    training and evaluation take them from, so both compute the same function. "bf16" stores the
-    token embedding in bf16 (SPEC 6) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
-    norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
-    is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
-    in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
-    bf16 = dtype_bytes(dtype) == 2
-    model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
 # ------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,9 @@ import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, LOOP_SAMPLERS, peak_flops, precision, sample_loops
+from model import GPT, GPTConfig, LOOP_SAMPLERS, peak_flops, sample_loops
+import runtime
+from runtime import print0
 from optim import build_optimizers, reduce_gradients
 
 # ----------------------------------------------------------------------------- settings
@@ -225,30 +226,13 @@ if not out_dir:  # one directory per run, named by what makes it different: a gr
     settings["out_dir"] = out_dir
 
 # ----------------------------------------------------------------------------- setup
-ddp = "RANK" in os.environ
-rank, local_rank, world_size = 0, 0, 1
-if ddp:
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-master = rank == 0
-device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-if device == "cuda":
-    device = f"cuda:{local_rank}"
-    torch.cuda.set_device(device)
-cuda = device.startswith("cuda")
-
-
-def print0(*args, **kwargs):
-    if master:
-        print(*args, **kwargs, flush=True)
+rt = runtime.setup(device)
+ddp, rank, world_size, master, device = rt.ddp, rt.rank, rt.world, rt.master, rt.device
+cuda = rt.device_type == "cuda"
 
 
 def stop(message, code):
-    """End every rank the same way: they all see the same all-reduced numbers, so all stop here."""
-    if master:
-        print(message, file=sys.stderr if code else sys.stdout, flush=True)
-    if ddp:
-        dist.destroy_process_group()
-    sys.exit(code)
+    runtime.stop(rt, message, code)
 
 
 if dry_run:
@@ -283,9 +267,7 @@ bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
 if core_interval and master:
     evaluation.fetch_bundle(bundle_dir, evaluation.bundle_url)
 
-if ddp:
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=dist_timeout),
-                            device_id=torch.device(device) if cuda else None)
+runtime.init_group(rt, dist_timeout)
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 tokens_per_fwd = device_batch_size * sequence_len * world_size
@@ -323,7 +305,7 @@ else:
     model.init_weights()
     step = 0
 start_step, config = step, model.config
-autocast = precision(model, device.split(":")[0], dtype)  # the same numerics eval.py will use
+autocast = runtime.precision(model, rt.device_type, dtype)  # the same numerics eval.py will use
 flops_per_token = model.estimate_flops()  # counts the loops
 print0(f"{config.variant}, {config.loops} loops, {horizon['all']:,} parameters, {horizon['non_embedding']:,} without "
        f"the embedding; {num_steps} steps of {total_batch_size:,} tokens = {num_steps * total_batch_size:,} "
@@ -416,9 +398,7 @@ def save(it):
 # ----------------------------------------------------------------------------- training
 log = None
 if master:
-    with open(os.path.join(out_dir, "settings.json.tmp"), "w") as f:
-        json.dump(settings | {"num_steps": num_steps}, f, indent=1)
-    os.replace(os.path.join(out_dir, "settings.json.tmp"), os.path.join(out_dir, "settings.json"))
+    runtime.atomic_write(os.path.join(out_dir, "settings.json"), json.dumps(settings | {"num_steps": num_steps}, indent=1))
     log = open(os.path.join(out_dir, "log.jsonl"), "a")
 
 
@@ -514,11 +494,6 @@ write_log(record)
 if log:
     log.close()
 if master and sample_tokens > 0:
-    prompt = torch.tensor([[tok.bos_id] + tok.encode("The")], device=device)
-    n = min(sample_tokens, config.sequence_len - prompt.size(1))
     with autocast:
-        sample = [t.item() for t in model.generate(prompt, n, temperature=0.8, top_k=50, seed=seed)]
-    print0("sample:", repr(tok.decode(prompt[0].tolist() + sample)))
-if ddp:
-    dist.barrier()  # rank 0 may still be sampling; no rank tears gloo/NCCL down under another
-    dist.destroy_process_group()
+        print0("sample:", repr(runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50, seed=seed)))
+runtime.finish(rt)  # rank 0 may still have been sampling

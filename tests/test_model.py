@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, peak_flops, precision
+from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, peak_flops
+from runtime import precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below

@@ -1,0 +1,104 @@
+"""Support for train.py and eval.py: where this process runs, its numerics, and small shared chores.
+
+    rt = runtime.setup(device)        # torchrun's rank/world, the device (errors name the setting)
+    runtime.init_group(rt, timeout)   # the process group, once data is prepared (train.py)
+    autocast = runtime.precision(model, rt.device_type, "bf16")
+    runtime.print0(...)               # rank 0 only
+    runtime.atomic_write(path, text)  # readers never see half a file
+    runtime.sample(model, tokenizer, "The", 64, loops=3)
+"""
+import os
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+
+def setup(device=""):
+    """This process's place under torchrun (RANK, LOCAL_RANK, WORLD_SIZE; one process without it)
+    and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU. No process group
+    yet: train.py prepares data first, which may outlast a collective's timeout."""
+    rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0),
+                                                                       ("WORLD_SIZE", 1)))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device; "
+                             "use --device=cpu")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    return SimpleNamespace(device=device, device_type=device.split(":")[0], rank=rank, local_rank=local_rank,
+                           world=world, ddp=world > 1, master=rank == 0)
+
+
+def init_group(rt, timeout_seconds=1800):
+    """The process group of a torchrun job (NCCL on CUDA, gloo on CPU); nothing for one process."""
+    if rt.ddp:
+        cuda = rt.device_type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_seconds),
+                                device_id=torch.device(rt.device) if cuda else None)
+
+
+def finish(rt):
+    """End the job's process group: a barrier first, so no rank tears it down under another."""
+    if rt.ddp and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    """print on rank 0 only (torchrun's RANK), flushed."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def stop(rt, message, code):
+    """End every rank the same way (they all saw the same all-reduced numbers): message on rank 0,
+    on stderr unless code is 0, then exit with code."""
+    print0(message, file=sys.stderr if code else sys.stdout)
+    if rt.ddp and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+def dtype_bytes(dtype):
+    """Bytes per element of a precision setting, "bf16" or "fp32"."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
+    return 2 if dtype == "bf16" else 4
+
+
+def precision(model, device_type, dtype):
+    """Set the model's numerics and return the autocast context to run it in: the one place
+    training and evaluation take them from, so both compute the same function. "bf16" stores the
+    token embedding in bf16 (SPEC 6) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
+    norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
+    is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
+    in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
+    bf16 = dtype_bytes(dtype) == 2
+    model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def atomic_write(path, content):
+    """Write content (str, bytes, or a function that writes the file it is given) to path + a temp
+    suffix, then rename it over path: readers see the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    if callable(content):
+        content(tmp)
+    else:
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+    os.replace(tmp, path)
+
+
+def sample(model, tokenizer, prompt, max_new_tokens, **generate_kwargs):
+    """prompt + up to max_new_tokens generated after BOS + prompt (model.generate's cached decoding;
+    generate_kwargs: temperature, top_k, seed, loops, exit_threshold), decoded whole."""
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    n = min(max_new_tokens, model.config.sequence_len - len(ids))
+    device = next(model.parameters()).device
+    new = [t.item() for t in model.generate(torch.tensor([ids], device=device), n, **generate_kwargs)]
+    return tokenizer.decode(ids[1:] + new)  # decoded whole: no split characters
