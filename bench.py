@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import corpus
 import data
 from configurator import configure
 from model import GPT, config_for_depth, peak_flops
@@ -241,7 +242,7 @@ def memory():
 
 def loader():
     """Tokens/s of the streaming loader (tokenization included), train.py's CPU defaults."""
-    files = data.embedded_corpus(data_dir)
+    files = corpus.embedded_corpus(data_dir)
     tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
     batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len)
     n, t0 = 0, time.perf_counter()

@@ -62,9 +62,7 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
-import zipfile
 from itertools import islice
 from types import SimpleNamespace
 
@@ -75,6 +73,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 import yaml
 
+import corpus
 import data
 from configurator import configure, settings_of
 from checkpoint import load_model
@@ -397,7 +396,7 @@ def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size, lo
     progress lines through log, if given."""
     seqs = [task_sequences(tokenizer, task, items, i, longest_input(model)) for i in idxs]
     flat = [s for item in seqs for s in item]
-    progress = log and data.Progress(f"CORE {task['label']}", len(flat), "sequences", log=log)
+    progress = log and corpus.Progress(f"CORE {task['label']}", len(flat), "sequences", log=log)
     scores = score_sequences(model, flat, loops_list, batch_size, progress)
     correct = {}
     for K, (mean, exact) in scores.items():
@@ -443,23 +442,6 @@ def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=
     return results
 
 
-def fetch_bundle(bundle_dir, url):
-    """bundle_dir if it exists, else the zip at url (a top-level eval_bundle/) unpacked there.
-    The unpacked directory is renamed into place, so a half-extracted bundle is never seen."""
-    if os.path.isdir(bundle_dir):
-        return bundle_dir
-    zip_path = data.download(url, os.path.abspath(bundle_dir) + ".zip")  # creates bundle_dir's parent
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(zip_path)) as tmp:
-        with zipfile.ZipFile(zip_path) as z:
-            z.extractall(tmp)
-        inner = os.path.join(tmp, "eval_bundle")
-        if not os.path.isdir(inner):
-            raise ValueError(f"{zip_path}: expected a top-level eval_bundle/ directory")
-        os.replace(inner, bundle_dir)
-    os.remove(zip_path)
-    return bundle_dir
-
-
 # ----------------------------------------------------------------------------- samples and the table
 def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=None, progress=None):
     """{K: [prompt + continuation for each of SAMPLE_PROMPTS]}."""
@@ -495,26 +477,18 @@ def write_results(json_path, record, md):
     runtime.atomic_write(os.path.splitext(json_path)[0] + ".md", md)
 
 
-def val_shard(settings, data_dir):
-    """The validation shard the checkpoint's training run held out (train.py's layout)."""
-    if settings.get("dataset", "embedded") == "embedded":
-        return data.embedded_corpus(data_dir)[-1]
-    name = data.SHARD_NAME.format(data.VAL_SHARD)
-    return data.download(f"{data.DEFAULT_BASE_URL}/{name}", os.path.join(data_dir, name))
-
-
 # ----------------------------------------------------------------------------- the modes
 # Each mode is planned first (its inputs fetched and counted: the plan line, the forwards this
 # process will run), then run: run() returns ({K: {key: value}}, what was measured).
 def progress_of(ctx, label, total, unit="forwards"):
-    return data.Progress(label, total, unit, log=ctx.print0) if ctx.rank == 0 else None
+    return corpus.Progress(label, total, unit, log=ctx.print0) if ctx.rank == 0 else None
 
 
 def validation(c, ctx):
     """The validation batches of the bpb and exit modes, built once: the authors' chunks (module
     docstring), this process's share, regrouped into batches of batch_size rows."""
     if ctx.val is None:
-        files = c.val_files.split(",") if c.val_files else [ctx.fetched(lambda: val_shard(ctx.settings, ctx.data_dir))]
+        files = c.val_files.split(",") if c.val_files else [ctx.fetched(lambda: corpus.val_shard(ctx.settings, ctx.data_dir))]
         chunks, n_chunks = protocol_chunks(files, ctx.tokenizer, ctx.seq_len, c.bpb_tokens, c.protocol_ranks,
                                            c.protocol_batch, ctx.rank, ctx.world)
         counts = torch.tensor([sum(int((y >= 0).sum()) for _, y in chunks), len(chunks)], device=ctx.dev)
@@ -559,8 +533,7 @@ def exit_mode(c, ctx):
 
 
 def wiki_mode(c, ctx):
-    path = c.wiki_path or ctx.fetched(lambda: data.download(
-        c.wiki_url, os.path.join(ctx.data_dir, "wikitext", "wikitext-2-v1-test.parquet")))
+    path = c.wiki_path or ctx.fetched(lambda: corpus.fetch_wikitext(c.wiki_url, ctx.data_dir))
     windows = wiki_windows(ctx.tokenizer, load_rows(path), ctx.seq_len, c.protocol_batch)
     n = -(-len(windows[ctx.rank::ctx.world]) // c.batch_size)
 
@@ -574,7 +547,7 @@ def wiki_mode(c, ctx):
 
 
 def core_mode(c, ctx):
-    bundle = ctx.fetched(lambda: fetch_bundle(c.bundle_dir or os.path.join(ctx.data_dir, "eval_bundle"), c.bundle_url))
+    bundle = ctx.fetched(lambda: corpus.fetch_bundle(c.bundle_dir or os.path.join(ctx.data_dir, "eval_bundle"), c.bundle_url))
     tasks = load_bundle(bundle)
     items = [load_items(task, c.max_per_task) for task in tasks]
     n_seqs = sum(len(it["choices"] if "choices" in it else it.get("context_options", [0])) for its in items
@@ -680,7 +653,7 @@ def main(argv):
     settings = meta.get("settings", {})
     ctx = SimpleNamespace(model=model, settings=settings, rank=rank, world=world, dev=dev, print0=print0,
                           fetched=fetched, loops=loops_list, thresholds=thresholds, seq_len=model.config.sequence_len,
-                          data_dir=c.data_dir or settings.get("data_dir", data.DEFAULT_DATA_DIR), val=None,
+                          data_dir=c.data_dir or settings.get("data_dir", corpus.DEFAULT_DATA_DIR), val=None,
                           # the numerics the run trained with (bf16 embedding and autocast, or fp32)
                           numerics=runtime.precision(model, rt.device_type, c.dtype or settings.get("dtype", "fp32")),
                           tokenizer=data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # with the

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import corpus
 import data
 from configurator import configure
 import eval as evaluation
@@ -43,7 +44,7 @@ sample_tokens = 64          # tokens sampled at the end of training (0 = no samp
 # data
 dataset = "embedded"        # embedded (built from Python's own docs, no network) | fineweb
 data_dir = "data"
-num_shards = data.AUTHORS_TRAIN_SHARDS  # fineweb training shards (the authors': 0-248, validation 249);
+num_shards = corpus.AUTHORS_TRAIN_SHARDS  # fineweb training shards (the authors': 0-248, validation 249);
                             # -1 = only as many as the horizon needs
 tokenizer = "bpe"           # bpe = train a byte-level BPE on the corpus; or a tokenizer.json / hub name
 bpe_vocab_size = 4096
@@ -171,9 +172,9 @@ def size_and_horizon(config):
 def training_shards(tokens):
     """FineWeb-Edu training shards to fetch: num_shards, or -1: enough for `tokens`. Too few for the
     horizon is said up front; the loader says again when it starts a second pass."""
-    n = num_shards if num_shards > 0 else data.shards_for_tokens(tokens)
-    if tokens > n * data.SHARD_TOKENS:
-        print(f"warning: {tokens:.3e} training tokens from {n} shards of ~{data.SHARD_TOKENS:.2g} tokens: the run "
+    n = num_shards if num_shards > 0 else corpus.shards_for_tokens(tokens)
+    if tokens > n * corpus.SHARD_TOKENS:
+        print(f"warning: {tokens:.3e} training tokens from {n} shards of ~{corpus.SHARD_TOKENS:.2g} tokens: the run "
               f"will see its data more than once (num_shards={num_shards})", flush=True)
     return n
 
@@ -207,7 +208,7 @@ def plan():
           f"{20 * horizon['non_embedding' if horizon_params == 'all' else 'all'] // total_batch_size:,} steps)\n"
           f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
           f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
-                               f"{(shards + 1) * data.SHARD_GB:.1f} GB, ~{shards * data.SHARD_TOKENS:.2e} tokens "
+                               f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "
                                f"for {tokens:.2e}" if shards else "the embedded corpus") + "\n"
           f"  memory/GPU  device_batch_size={device_batch_size}, {bf16}, {gpus} GPUs (estimate, GiB):\n"
           f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
@@ -249,7 +250,7 @@ if master:
 # Data: every rank prepares it before the process group exists (a download of many GB would
 # outlast a collective's timeout); file locks make one process do each piece of work.
 if dataset == "embedded":
-    shards = data.embedded_corpus(data_dir)
+    shards = corpus.embedded_corpus(data_dir)
 if tokenizer != "bpe":
     tok = data.load_tokenizer(tokenizer, cache_dir=data_dir, bos=bos_token)
 elif dataset == "embedded":  # the local BPE is trained on the training shards, cached beside them
@@ -259,13 +260,13 @@ else:
 config = model_config(tok.vocab_size if tok else bpe_vocab_size)
 _, horizon, num_steps = size_and_horizon(config)
 if dataset == "fineweb":
-    shards = data.download_shards(training_shards(num_steps * total_batch_size), data_dir)
+    shards = corpus.download_shards(training_shards(num_steps * total_batch_size), data_dir)
 if tok is None:
     tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
 bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
 if core_interval and master:
-    evaluation.fetch_bundle(bundle_dir, evaluation.bundle_url)
+    corpus.fetch_bundle(bundle_dir, evaluation.bundle_url)
 
 runtime.init_group(rt, dist_timeout)
 torch.manual_seed(seed)

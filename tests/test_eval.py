@@ -1,5 +1,5 @@
 """Tests for eval.py: CORE prompts and scoring, bits per byte, WikiText perplexity, the budget
-sweep, the bundle's errors and download, the table, and CLI runs end to end.
+sweep, the bundle's errors, the table, and CLI runs end to end.
 
 Scores are checked against models whose answers are known: `Oracle` puts all its probability
 on the next token of sequences it was told, `Uniform` on nothing (loss ln V everywhere), and a
@@ -8,8 +8,6 @@ A character tokenizer (one id per character, BOS = 0) and a word tokenizer with 
 words (WORD_IDS) make token spans writable by hand. CORE is also compared, example by example,
 with `nanochat_example`, a plain re-implementation of nanochat's core_eval written for this test.
 """
-import functools
-import http.server
 import json
 import math
 import os
@@ -18,9 +16,7 @@ import socket
 import string
 import subprocess
 import sys
-import threading
 import time
-import zipfile
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -32,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import tokenizers
 
+import corpus
 import data
 import eval as ev
 import checkpoint
@@ -677,34 +674,6 @@ def test_missing_checkpoint_and_bad_settings(tmp_path):
         ev.main([str(tmp_path), "--loops=1,0"])
 
 
-# ----------------------------------------------------------------------------- download
-
-
-def test_bundle_download_from_local_server(tmp_path, monkeypatch):
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    src = tmp_path / "src"
-    make_bundle(src / "eval_bundle")
-    served = tmp_path / "www"
-    served.mkdir()
-    with zipfile.ZipFile(served / "eval_bundle.zip", "w") as z:
-        for path in (src / "eval_bundle").rglob("*"):
-            z.write(path, path.relative_to(src))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        target = tmp_path / "data" / "eval_bundle"
-        url = f"http://127.0.0.1:{server.server_port}/eval_bundle.zip"
-        assert ev.fetch_bundle(str(target), url) == str(target)
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert [t["label"] for t in ev.load_bundle(str(target))] == ["mc_task", "schema_task", "lm_task"]
-    leftovers = [n for n in os.listdir(tmp_path / "data") if n != "eval_bundle" and not n.endswith(".lock")]
-    assert leftovers == []  # the zip is removed and no temporary directory is left
-    assert ev.fetch_bundle(str(target), "http://127.0.0.1:9/unreachable") == str(target)  # present: no download
-
-
 # ----------------------------------------------------------------------------- table and CLI
 
 
@@ -923,7 +892,7 @@ def test_progress_lines_on_a_slow_mode(tmp_path, monkeypatch, capsys):
     """Every mode reports done/total, rate and ETA while it runs (here at most every 0.05 s)."""
     _, _, step = save_checkpoint(tmp_path)
     slow_forwards(monkeypatch, 0.02)
-    monkeypatch.setattr(data, "PROGRESS_SECONDS", 0.05)
+    monkeypatch.setattr(corpus, "PROGRESS_SECONDS", 0.05)
     bundle = make_bundle(tmp_path / "bundle")
     (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n The opposite of hot is cold .\n" * 40)
     ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=1,2", "--modes=bpb,wiki,core,sample,exit",

@@ -1,0 +1,63 @@
+"""Fixtures of test_data.py and test_corpus.py: the embedded corpus, built once, and a local HTTP
+server on 127.0.0.1 (never the internet) with Range support and scripted failures."""
+import os
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import corpus
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory):
+    """The embedded corpus's shard paths, validation last (a fixture named corpus would hide the module)."""
+    return corpus.embedded_corpus(str(tmp_path_factory.mktemp("data")))
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Serves server.files with Range support; server.mode / drops / delay script failures."""
+
+    def do_GET(self):
+        srv = self.server
+        with srv.lock:
+            srv.requests.append((self.path, self.headers.get("Range")))
+            drop = srv.drops > 0
+            srv.drops -= drop
+        body = srv.files.get(self.path)
+        if srv.mode in (404, 500) or body is None:
+            return self.send_error(404 if body is None else srv.mode)
+        time.sleep(srv.delay)
+        start = 0
+        if self.headers.get("Range") and srv.mode != "ignore_range":
+            start = int(re.fullmatch(r"bytes=(\d+)-", self.headers["Range"]).group(1))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(body) - start))  # the full size, even when dropping
+        self.end_headers()
+        # a drop sends half the bytes, then HTTP/1.0 closes the connection
+        self.wfile.write(body[start:start + (len(body) - start) // 2] if drop else body[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.lock = threading.Lock()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+
+
+@pytest.fixture
+def server(http_server, embedded):
+    http_server.files = {f"/{os.path.basename(p)}": open(p, "rb").read() for p in embedded}
+    http_server.mode, http_server.drops, http_server.delay, http_server.requests = "ok", 0, 0.0, []
+    http_server.url = f"http://127.0.0.1:{http_server.server_address[1]}"
+    return http_server
