@@ -29,6 +29,7 @@ import time
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -223,7 +224,8 @@ def verify_manifest(directory, names):
 # ---- FineWeb-Edu: the authors' shards, as many as a run needs
 def shards_for_tokens(n_tokens):
     """FineWeb-Edu training shards holding n_tokens tokens, with SHARD_MARGIN to spare."""
-    n = math.ceil(n_tokens * SHARD_MARGIN / SHARD_TOKENS)
+    # exact: in floats 50e6 * 1.1 / 55e6 is 1.0000000000000002, and 50M tokens would ask for 2 shards
+    n = math.ceil(Fraction(n_tokens) * Fraction(str(SHARD_MARGIN)) / Fraction(SHARD_TOKENS))
     if not 1 <= n <= LAST_SHARD:
         raise ValueError(f"{n_tokens:,} training tokens would need {n} shards of ~{SHARD_TOKENS:.3g} tokens "
                          f"(x{SHARD_MARGIN} margin); FineWeb-Edu has 1..{LAST_SHARD} training shards")

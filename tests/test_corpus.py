@@ -190,11 +190,17 @@ def test_concurrent_downloads_fetch_once(server, tmp_path):
 
 
 def test_shards_for_tokens():
+    """By hand: a shard holds ~55M tokens and a run asks for 10% to spare, so one shard serves
+    55M / 1.1 = 50M of the run's tokens; FineWeb-Edu has 1822 training shards (1823 less validation)."""
     assert corpus.shards_for_tokens(1) == 1
-    assert corpus.shards_for_tokens(1_234_567_890) == 25  # 1.2346e9 * 1.1 / 55e6 = 24.69
-    assert corpus.shards_for_tokens(3 * corpus.SHARD_TOKENS) == 4  # 3.3 shards with the margin
-    assert corpus.shards_for_tokens(1821.5 * 50e6) == 1822  # every training shard: 1823 less validation
-    for bad in (0, 1822.5 * 50e6):
+    assert corpus.shards_for_tokens(50_000_000) == 1  # 50M x 1.1 = 55M: exactly one shard
+    assert corpus.shards_for_tokens(50_000_001) == 2  # a token more needs a second one
+    assert corpus.shards_for_tokens(100_000_000) == 2  # 110M: exactly two
+    assert corpus.shards_for_tokens(165_000_000) == 4  # 181.5M: 3.3 shards
+    assert corpus.shards_for_tokens(1_234_567_890) == 25  # 1,358,024,679 / 55M = 24.69
+    assert corpus.shards_for_tokens(1821.5 * 50e6) == 1822  # 1821.5 shards: every training shard
+    assert corpus.shards_for_tokens(91_100_000_000) == 1822  # 1822 x 50M: every shard, exactly
+    for bad in (0, 91_100_000_001, 1822.5 * 50e6):  # none; one token more than FineWeb-Edu serves
         with pytest.raises(ValueError, match="training tokens.*1..1822 training shards"):
             corpus.shards_for_tokens(bad)
 
