@@ -41,10 +41,42 @@ def _parse(key, raw, default, source):
     return _checked(key, value, default, source)
 
 
-def configure(namespace, argv):
+def describe(path, defaults):
+    """--help: every setting of the script at path with its default and its comment, under the
+    comment lines that group them in the file."""
+    lines = open(path).read().splitlines()
+    spans = {}
+    for node in ast.parse("\n".join(lines)).body:  # the block of settings: from the first to the next code
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in defaults:
+            spans[node.lineno] = node
+        elif spans and not isinstance(node, (ast.Import, ast.ImportFrom)):
+            break
+    if not spans:
+        return f"{path}: no settings"
+    out, first, last = [f"{path}: settings (defaults; a config file, then --key=value, override them)"], min(spans), \
+        max(node.end_lineno for node in spans.values())
+    while first > 1 and lines[first - 2].startswith("#"):  # the headings above the first setting
+        first -= 1
+    for number, line in enumerate(lines[first - 1:last], start=first):
+        text = line.strip()
+        if number in spans:
+            key, comment = spans[number].targets[0].id, line.partition("#")[2].strip()
+            out.append(f"  --{key}={defaults[key]!r}".ljust(34) + f" {comment}".rstrip())
+        elif text.startswith("#") and line.startswith("#"):  # a group heading
+            out.append(text.lstrip("# -").strip() or "")
+        elif text.startswith("#"):  # the comment of the setting above goes on
+            out[-1] += " " + text.lstrip("# ")
+    return "\n".join(line for line in out if line)
+
+
+def configure(namespace, argv, source=None):
     """Apply config files and --key=value flags from argv to the settings in namespace
-    (a script's globals()), in place. Returns the final settings as a dict."""
+    (a script's globals()), in place. Returns the final settings as a dict. --help (or -h) prints
+    the settings of the script `source` (default: namespace's __file__) and exits."""
     defaults = settings_of(namespace)
+    if {"--help", "-h"} & set(argv):
+        print(describe(source or namespace["__file__"], defaults))
+        raise SystemExit(0)
     for arg in argv:
         if not arg.startswith("--"):
             if not arg.endswith(".py"):

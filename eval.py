@@ -605,8 +605,10 @@ def minutes(seconds):
 
 # ----------------------------------------------------------------------------- main
 def parse(argv):
+    if {"--help", "-h"} & set(argv):
+        configure(settings_of(globals()), argv, source=__file__)  # prints the settings and exits
     if not argv or argv[0].startswith("--") or argv[0].endswith(".py"):
-        raise ValueError("usage: python eval.py <checkpoint dir> [config.py] [--key=value ...]")
+        raise ValueError("usage: python eval.py <checkpoint dir> [config.py] [--key=value ...]; --help lists the settings")
     # the run's settings live in a copy, so importing this module (train.py, tests) sees the defaults
     c = SimpleNamespace(**configure(settings_of(globals()), argv[1:]))
     run_modes = [m.strip() for m in c.modes.split(",") if m.strip()]

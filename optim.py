@@ -322,3 +322,23 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+# ---------------------------------------------------------------------------- the schedules (SPEC 6)
+# train.py applies them every step; they follow the authors' scripts/base_train.py.
+def lr_multiplier(step, num_steps, warmdown_frac):
+    """No warm-up; 1 until num_steps - round(warmdown_frac * num_steps), then linear to 0 at
+    num_steps (their get_lr_multiplier with warmup_ratio 0 and final_lr_frac 0)."""
+    warmdown = round(warmdown_frac * num_steps)
+    return 1.0 if step <= num_steps - warmdown else (num_steps - step) / warmdown
+
+
+def muon_momentum(step, warmup_steps, start=0.85, end=0.95):
+    """Muon's momentum, linear from start to end over the first warmup_steps (their 300), then end."""
+    frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
+    return (1 - frac) * start + frac * end
+
+
+def clip_coefficient(total_norm, max_norm):
+    """The factor on every gradient: torch.nn.utils.clip_grad_norm_'s rule, min(1, max / (norm + 1e-6))."""
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -23,7 +23,7 @@ import eval as evaluation
 from model import GPT, GPTConfig, LOOP_SAMPLERS, peak_flops, sample_loops
 import runtime
 from runtime import print0
-from optim import build_optimizers, reduce_gradients
+from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -330,17 +330,6 @@ loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank
                          state=loader_state)
 
 
-def lr_multiplier(it):
-    """Trapezoid without warm-up (SPEC 6): flat, then linear to 0 over the last warmdown_frac."""
-    flat = round((1 - warmdown_frac) * num_steps)
-    return 1.0 if it < flat else (num_steps - it) / max(1, num_steps - flat)
-
-
-def muon_momentum(it):
-    frac = min(it / momentum_warmup_steps, 1.0) if momentum_warmup_steps > 0 else 1.0
-    return (1 - frac) * 0.85 + frac * 0.95
-
-
 # Pre-clip gradient norms of the modules the paper's Figures 3 and 8 follow (SPEC 5).
 mid = watch_layer if watch_layer >= 0 else min(4, config.n_layer - 1)
 watched = {"mlp_first": model.transformer.h[0].mlp, "lm_head": model.lm_head,
@@ -358,7 +347,7 @@ def clipped_norms():
     sq = {p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None}
     parts = torch.stack([sum(sq.values())] + [sum(sq[p] for p in m.parameters()) for m in watched.values()])
     total, *module = parts.sqrt().tolist()
-    coef = min(1.0, grad_clip / (total + 1e-6))
+    coef = clip_coefficient(total, grad_clip)
     return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, module)}
 
 
@@ -455,13 +444,13 @@ while True:
              f"checkpoint: {last_good or 'none yet'}", 1)
     record.update({f"grad_{k}": math.sqrt(sum(norms[p] for p in m.parameters())) for k, m in watched.items()})
     record["grad_norm"] = total_norm
-    clip = min(1.0, grad_clip / (total_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule, on the average
-    lrm = lr_multiplier(step)
+    clip = clip_coefficient(total_norm, grad_clip)  # of the rank-averaged gradient
+    lrm = lr_multiplier(step, num_steps, warmdown_frac)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
     for group in optimizers[1].param_groups:
-        group["momentum"] = muon_momentum(step)
+        group["momentum"] = muon_momentum(step, momentum_warmup_steps)
     for opt in optimizers:
         opt.step(grad_scale=clip)
     model.zero_grad(set_to_none=True)

@@ -2,12 +2,14 @@
 breaks CI), and each experiment file sets what its name says. Nothing is trained."""
 import ast
 import inspect
+import subprocess
+import sys
 import math
 import os
 
 import pytest
 
-from configurator import configure
+from configurator import configure, settings_of
 from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,3 +79,26 @@ def test_recipes_say_what_their_names_say(monkeypatch):
     # the authors' diagnostic script: 2000 steps, no warm-up, linear warm-down over the last 20%
     assert (diag["depth"], diag["num_steps"], diag["warmdown_frac"], diag["out_root"]) == (6, 2000, 0.2, "out/diag")
     assert (cpu["dataset"], cpu["device"], cpu["loops"], cpu["out_root"]) == ("embedded", "cpu", 12, "out/cpu_diag")
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "bench.py"])
+def test_help_lists_every_setting_with_its_default_and_comment(script):
+    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    namespace = train_defaults() if script == "train.py" else None
+    with open(os.path.join(ROOT, script)) as f:
+        source = f.read()
+    seen = set()
+    for line in source.splitlines():  # every setting's line (its first assignment) and its comment
+        name, _, rest = line.partition(" = ")
+        if name.isidentifier() and name.islower() and "#" in rest and f"--{name}=" in p.stdout and name not in seen:
+            seen.add(name)
+            shown = next(l for l in lines if l.startswith(f"  --{name}="))
+            assert rest.partition("#")[2].strip()[:30] in shown, (name, shown)
+    if namespace:
+        assert sum(l.startswith("  --") for l in lines) == len(settings_of(namespace))
+        assert "  --loops=3 " in p.stdout and "  --variant='FLT' " in p.stdout
+        order = [l.split("=")[0].strip() for l in lines if l.startswith("  --")]
+        assert order.index("--out_dir") < order.index("--dataset") < order.index("--depth") < order.index("--seed")
+        assert lines[lines.index(next(l for l in lines if l.startswith("  --dataset"))) - 1] == "data"  # its group

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from optim import AdamW, Muon, build_optimizers, reduce_gradients, zeropower_via_newtonschulz5
+from optim import (AdamW, Muon, build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients,
+                   zeropower_via_newtonschulz5)
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 D_MODEL, VOCAB = 15, 25  # odd sizes: 375-element tables do not split evenly over 2 ranks
@@ -172,11 +173,6 @@ def make_batch():
     return idx, targets
 
 
-def clip_coefficient(norms):
-    """What train.py does with reduce_gradients' result: torch's clip_grad_norm_ rule."""
-    return min(1.0, CLIP / (math.sqrt(sum(norms.values())) + 1e-6))
-
-
 def train_step(model, optimizers, idx, targets, step):
     """One step as train.py takes it: schedule, backward, reduce, clip, update."""
     for opt in optimizers:
@@ -184,7 +180,7 @@ def train_step(model, optimizers, idx, targets, step):
             group["lr"] = group["initial_lr"] * (1.0 - 0.2 * step)
     optimizers[1].param_groups[0]["momentum"] = 0.85 + 0.05 * step
     model(idx, targets).backward()
-    coefficient = clip_coefficient(reduce_gradients(optimizers))
+    coefficient = clip_coefficient(math.sqrt(sum(reduce_gradients(optimizers).values())), CLIP)
     for opt in optimizers:
         opt.step(grad_scale=coefficient)
     model.zero_grad(set_to_none=True)
@@ -213,10 +209,17 @@ def test_build_optimizers_groups_every_parameter_once():
     embedding, head = adamw.param_groups
     assert embedding["params"] == [model.transformer.wte.weight]
     assert head["params"] == [model.lm_head.weight]
-    assert embedding["lr"] == pytest.approx(0.2 * scale)
-    assert head["lr"] == pytest.approx(0.004 * scale)
-    assert embedding["betas"] == (0.8, 0.95) and embedding["eps"] == 1e-10
-    assert embedding["weight_decay"] == 0.0
+    # SPEC 6 / the authors' base_train.py: AdamW lr 0.2 (embedding) and 0.004 (head) x sqrt(768 / d),
+    # betas (0.8, 0.95), eps 1e-10, no decay. Seen in what a step does: from zero state, Adam's first
+    # update is lr * g / (|g| + eps'), so a gradient of ones moves every weight by lr (to 1e-9 relative).
+    before = [p.detach().clone() for p in (model.transformer.wte.weight, model.lm_head.weight)]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    adamw.step()
+    moved = [b - p.detach() for b, p in zip(before, (model.transformer.wte.weight, model.lm_head.weight))]
+    for step, lr in zip(moved, (0.2, 0.004)):  # D_MODEL = 15
+        assert torch.allclose(step, torch.full_like(step, lr * math.sqrt(768 / 15)), rtol=1e-5, atol=0)
+    assert embedding["betas"] == (0.8, 0.95) and embedding["eps"] == 1e-10 and embedding["weight_decay"] == 0.0
     assert muon.param_groups[0]["params"] == list(model.transformer.h.parameters())
     assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["momentum"] == 0.95
     assert muon.ns_dtype is None
@@ -501,3 +504,30 @@ def test_distributed_save_restore(distributed_results):
             assert torch.equal(result["resumed_params"][name], p), name
         errors = result["wrong_world_size_errors"]
         assert len(errors) == 2 and all("world_size" in e for e in errors)
+
+
+# ----------------------------------------------------------------------------- the schedules, by hand
+
+
+def test_lr_multiplier_at_the_boundaries():
+    """1000 steps, warm-down 0.2: flat through step 800, then (1000 - step) / 200 down to 0 at step 1000."""
+    lrm = [lr_multiplier(step, 1000, 0.2) for step in (0, 799, 800, 801, 900, 999, 1000)]
+    assert lrm == pytest.approx([1.0, 1.0, 1.0, 0.995, 0.5, 0.005, 0.0])
+    assert lr_multiplier(7, 10, 0.0) == 1.0 and lr_multiplier(10, 10, 0.0) == 1.0  # no warm-down: flat
+    # 10 steps x 0.25 = 2.5 warm-down steps: Python's round gives 2 (to even), as in the authors' code
+    assert [lr_multiplier(s, 10, 0.25) for s in (8, 9, 10)] == [1.0, 0.5, 0.0]
+
+
+def test_muon_momentum_warms_up_linearly():
+    assert [muon_momentum(s, 300) for s in (0, 150, 299, 300, 5000)] == pytest.approx(
+        [0.85, 0.90, 0.85 + 0.1 * 299 / 300, 0.95, 0.95])
+    assert muon_momentum(0, 0) == 0.95
+
+
+def test_clip_coefficient_is_clip_grad_norms_rule():
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(4.0, 1.0) == pytest.approx(0.25)
+    assert clip_coefficient(4.0, 2.0) == pytest.approx(0.5) and clip_coefficient(1.0, 1.0) == pytest.approx(1.0)
+    p = nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 2.0)  # norm 4: torch scales it by the same factor
+    torch.nn.utils.clip_grad_norm_([p], 1.0)
+    assert torch.allclose(p.grad, torch.full((4,), 2.0 * clip_coefficient(4.0, 1.0)))
