@@ -83,10 +83,11 @@ class GPTConfig:
 
 
 def config_for_depth(depth, **overrides):
-    """The paper's shape from one integer: d = 64*depth, n_head = ceil(d/128), L = depth."""
+    """The paper's shape from one integer: d = 64*depth, n_head = ceil(d/128), L = depth, n_kv_head =
+    n_head; overrides (any GPTConfig field, n_kv_head included) replace or add to it."""
     d = 64 * depth
     n_head = math.ceil(d / 128)
-    return GPTConfig(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head, **overrides)
+    return GPTConfig(**dict(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head) | overrides)
 
 
 def norm(x):

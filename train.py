@@ -19,7 +19,7 @@ import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, LOOP_SAMPLERS, peak_flops, sample_loops
+from model import GPT, GPTConfig, LOOP_SAMPLERS, config_for_depth, peak_flops, sample_loops
 import runtime
 from runtime import print0
 from optim import build_optimizers, reduce_gradients
@@ -149,11 +149,9 @@ def check_settings():
 
 
 def model_config(vocab_size):
-    n_head = math.ceil(64 * depth / 128)
-    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_head if n_kv_head == -1 else n_kv_head, n_embd=64 * depth, loops=loops,
-                     variant=variant, attn=attn, kv_rank=kv_rank, window_pattern=window_pattern,
-                     loss_all_loops=loss_all_loops, checkpoint_loops=checkpoint_loops)
+    return config_for_depth(depth, sequence_len=sequence_len, vocab_size=vocab_size, loops=loops, variant=variant,
+                            attn=attn, kv_rank=kv_rank, window_pattern=window_pattern, loss_all_loops=loss_all_loops,
+                            checkpoint_loops=checkpoint_loops, **({} if n_kv_head == -1 else {"n_kv_head": n_kv_head}))
 
 
 def size_and_horizon(config):

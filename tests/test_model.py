@@ -243,6 +243,8 @@ def test_paper_sizes(depth, n_head, millions):
 def test_config_for_depth_rounds_heads_up():
     cfg = config_for_depth(3, loops=4)
     assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.loops) == (192, 2, 3, 4)
+    # train.py's n_kv_head (GQA) overrides the default n_kv_head = n_head
+    assert (config_for_depth(3, n_kv_head=1).n_kv_head, config_for_depth(3).n_kv_head) == (1, 2)
 
 
 # ----------------------------------------------------------------------------------
