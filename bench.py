@@ -23,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
 from configurator import configure
-from model import GPT, config_for_depth, peak_flops
+from model import GPT, config_for_depth
+from planning import peak_flops
 from runtime import precision
 from optim import build_optimizers
 

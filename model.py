@@ -24,8 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from runtime import dtype_bytes  # estimate_memory's; it moves to planning.py
-
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
 # RoPE table: ROPE_SPAN * sequence_len positions, as the authors' gpt.py (rotary_seq_len =
@@ -297,7 +295,8 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def _loops(self, loops):
+    def loop_count(self, loops=None):
+        """K for a call: loops, or the config's default when None."""
         K = self.config.loops if loops is None else loops
         if not isinstance(K, int) or K < 1:
             raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
@@ -309,62 +308,15 @@ class GPT(nn.Module):
         12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
         backpropagation only the last bptt_loops loops are differentiated: the loops before them
         run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
-        c, K = self.config, self._loops(loops)
+        c, K = self.config, self.loop_count(loops)
         G = K if bptt_loops is None else min(K, bptt_loops)
         block = sum(p.numel() for p in self.transformer.h.parameters())
         head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
         attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
         return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
 
-    def estimate_memory(self, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
-                        world_size=1, device_type="cuda"):
-        """Peak training bytes per GPU: {parameters, gradients, optimizer, activations, total}.
-        Optimizer state: AdamW's two slots (in the parameter's dtype) for wte and lm_head,
-        sharded over world_size; Muon's momentum for the block matrices, each owned by one
-        rank (rank 0's share). Activations, per token, d = n_embd, kv = n_kv_head * head_dim,
-        b = 2 (bf16 autocast) or 4 bytes, s = bytes of the residual stream (norm's output:
-        bf16 on CPU, fp32 under CUDA's autocast), V = padded vocabulary:
-          eager, per layer and loop: the stream twice (2s d), the normed inputs of the four
-            linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
-            RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
-            (b(2d + 2kv)), ReLU and its square (8b d); per loop also h(t) and the stream (s d)
-          compiled (compile_regions; inductor recomputes pointwise ops): 2s d + b(2d + 2kv) + 4b d
-          checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
-          logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
-            gradients (8V) in backward; compiled keeps the bf16 logits (bV) and peaks at +4V.
-        Checked against CPU measurements (bf16 autocast, eager) in tests/test_model.py. The
-        compiled counts are the partitioner's expected choice, not calibrated: CPU inductor
-        (bench.py --mode=memory, regional) kept ~1.3-1.5x more."""
-        c, K = self.config, self._loops(loops)
-        ckpt = c.checkpoint_loops if checkpoint_loops is None else checkpoint_loops
-        b = dtype_bytes(dtype)
-        s = 2 if (b == 2 and device_type == "cpu") else 4
-        d, kv, L, V = c.n_embd, c.n_kv_head * (c.n_embd // c.n_head), c.n_layer, c.padded_vocab
-        if compiled:
-            layer, head, head_peak = 2 * s * d + b * (2 * d + 2 * kv) + 4 * b * d, b * V, 4 * V
-        else:
-            layer = 2 * s * d + (2 if s == b else 4) * b * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
-            head, head_peak = 8 * V, 8 * V
-        N, loop = batch_size * c.sequence_len, L * layer + s * d
-        held = N * (K * (2 * s * d if ckpt else loop) + 2 * s * d + head)  # + e and norm(e)
-        wte, lm_head = self.transformer.wte.weight, self.lm_head.weight
-        # autocast's bf16 copies of the weights, saved for backward (the blocks' only while a loop is live)
-        blocks = 2 * sum(p.numel() for p in self.transformer.h.parameters()) if b == 2 else 0
-        held += 2 * lm_head.numel() if b == 2 else 0
-        peak = max(N * head_peak, N * loop + blocks) if ckpt else N * head_peak + blocks
-
-        def size(p, n):  # bytes of n elements of p: wte is stored in bf16 under bf16 (precision)
-            return n * (2 if p is wte and b == 2 else 4)
-        nbytes = {"parameters": sum(size(p, p.numel()) for p in self.parameters())}
-        nbytes["gradients"] = nbytes["parameters"]
-        nbytes["optimizer"] = (sum(2 * size(p, -(-p.numel() // world_size)) for p in (wte, lm_head))
-                               + sum(4 * p.numel() for p in list(self.transformer.h.parameters())[::world_size]))
-        nbytes["activations"] = held + peak
-        nbytes["total"] = sum(nbytes.values())
-        return nbytes
-
     def new_kv_cache(self, batch_size, loops=None):
-        return KVCache(batch_size, self._loops(loops), self.config)
+        return KVCache(batch_size, self.loop_count(loops), self.config)
 
     def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
         """[h(1), ..., h(K)], h(t) = norm(stream at the end of loop t), from one pass.
@@ -379,7 +331,7 @@ class GPT(nn.Module):
         its exit loop's (KVCache.done), so a later token attends to the last state it reached. K is
         then the most loops a token runs. A full forward gets a KV cache of its own, so cached
         decoding and a full forward compute the same function. Records self.exit_loops (B, T)."""
-        c, K = self.config, self._loops(loops)
+        c, K = self.config, self.loop_count(loops)
         B, T = idx.shape
         pos, limit = (0, self.cos.size(0)) if kv_cache is None else (kv_cache.pos, kv_cache.capacity)
         if pos + T > limit:
@@ -531,16 +483,3 @@ def sample_loops(sampler, step, seed, loops, loops_min=1, loops_max=-1):
     rate = torch.empty(()).log_normal_(math.log(loops - 1) - sigma**2 / 2, sigma, generator=g)
     K = 1 + int(torch.poisson(rate, generator=g))
     return min(K, loops_max) if loops_max > 0 else K
-
-
-# ------------------------------------------------------------------------------------
-# Accelerators: dense bf16 peak FLOP/s, for MFU and the run planner (train.py --dry_run).
-# (Checkpoint files are checkpoint.py's business.)
-PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
-              ("A100", 312e12), ("L40S", 362e12), ("4090", 165e12), ("A10", 125e12))
-
-
-def peak_flops(name):
-    """Peak FLOP/s of an accelerator by (part of) its name, e.g. torch.cuda.get_device_name(), or
-    None if unknown (a CPU). More specific names come first: "H100 NVL" before "H100"."""
-    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name.lower()), None)

@@ -19,7 +19,8 @@ import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, LOOP_SAMPLERS, config_for_depth, peak_flops, sample_loops
+from model import GPT, GPTConfig, LOOP_SAMPLERS, config_for_depth, sample_loops
+from planning import estimate_memory, peak_flops
 import runtime
 from runtime import print0
 from optim import build_optimizers, reduce_gradients
@@ -190,8 +191,8 @@ def plan():
     name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
     flops = model.estimate_flops()
     bf16 = "bf16" if dtype in ("auto", "bf16") else "fp32"
-    gib = {(c, k): model.estimate_memory(device_batch_size, bf16, compiled=c, checkpoint_loops=k,
-                                         world_size=gpus)["total"] / 2**30
+    gib = {(c, k): estimate_memory(model, device_batch_size, bf16, compiled=c, checkpoint_loops=k,
+                                   world_size=gpus)["total"] / 2**30
            for c in (False, True) for k in (False, True)}
     shards = training_shards(tokens) if dataset == "fineweb" else 0
     peak = peak_flops(name)
