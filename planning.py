@@ -4,18 +4,22 @@ What a run will cost before it starts (the memory estimate, accelerators' peak F
 --dry_run plan), and train.py's settings checks (values, settings that would do nothing, what a
 resumed run may change, the run directory's name, the horizon).
 """
+import math
+from collections import Counter
+
 from runtime import dtype_bytes
 
 # ---------------------------------------------------------------------------- memory and accelerators
 
 def estimate_memory(model, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
                     world_size=1, device_type="cuda"):
-    """Peak training bytes per GPU of `model` (a GPT; the meta device will do): {parameters, gradients, optimizer, activations, total}.
-    Optimizer state: AdamW's two slots (in the parameter's dtype) for wte and lm_head,
-    sharded over world_size; Muon's momentum for the block matrices, each owned by one
-    rank (rank 0's share). Activations, per token, d = n_embd, kv = n_kv_head * head_dim,
-    b = 2 (bf16 autocast) or 4 bytes, s = bytes of the residual stream (norm's output:
-    bf16 on CPU, fp32 under CUDA's autocast), V = padded vocabulary:
+    """Peak training bytes per GPU of `model` (a GPT, on the meta device will do): {parameters,
+    gradients, optimizer, activations, total}. Optimizer state: AdamW's two slots (in the parameter's
+    dtype) for wte and lm_head, sharded over world_size; Muon's fp32 momentum for the block matrices,
+    each owned by one rank: rank 0 owns the first of every world_size matrices of one shape (Muon's
+    blocks). Activations, per token, d = n_embd, kv = n_kv_head * head_dim, b = 2 (bf16 autocast)
+    or 4 bytes, s = bytes of the residual stream (norm's output: bf16 on CPU, fp32 under CUDA's
+    autocast), V = padded vocabulary:
       eager, per layer and loop: the stream twice (2s d), the normed inputs of the four
         linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
         RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
@@ -49,17 +53,19 @@ def estimate_memory(model, batch_size, dtype="bf16", compiled=False, checkpoint_
         return n * (2 if p is wte and b == 2 else 4)
     nbytes = {"parameters": sum(size(p, p.numel()) for p in model.parameters())}
     nbytes["gradients"] = nbytes["parameters"]
+    shapes = Counter(tuple(p.shape) for p in model.transformer.h.parameters())
     nbytes["optimizer"] = (sum(2 * size(p, -(-p.numel() // world_size)) for p in (wte, lm_head))
-                           + sum(4 * p.numel() for p in list(model.transformer.h.parameters())[::world_size]))
+                           + sum(4 * math.prod(shape) * -(-n // world_size) for shape, n in shapes.items()))
     nbytes["activations"] = held + peak
     nbytes["total"] = sum(nbytes.values())
     return nbytes
 
 
-
-# Dense bf16 peak FLOP/s, for MFU and the run planner (train.py --dry_run).
-PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
-              ("A100", 312e12), ("L40S", 362e12), ("4090", 165e12), ("A10", 125e12))
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s, for MFU and the run planner (train.py --dry_run):
+# NVIDIA's datasheets halve their "with sparsity" figures, the H100 and Ada whitepapers give both. H200 is
+# the H100 SXM's GH100 with more memory. A name that contains another comes before it ("A100", "A10").
+PEAK_FLOPS = (("H200", 989.4e12), ("H100 PCIe", 756.5e12), ("H100 NVL", 835.5e12), ("H100", 989.4e12),
+              ("A100", 312e12), ("L40S", 362.05e12), ("4090", 165.2e12), ("A10", 125e12))
 
 
 def peak_flops(name):
