@@ -115,7 +115,7 @@ def ratios():
     @torch.no_grad()
     def one_pass():
         with autocast:
-            hs = flt.loop_states(idx, max(budgets))
+            hs = flt.loop_states(idx, max(budgets)).states
             [flt.head(hs[K - 1]) for K in budgets]
 
     @torch.no_grad()
@@ -138,7 +138,7 @@ def ratios():
         seq = prompt
         with autocast:
             for _ in range(gen_tokens):
-                last = gen.head(gen.loop_states(seq, loops)[-1][:, -1:])
+                last = gen.head(gen.loop_states(seq, loops).states[-1][:, -1:])
                 seq = torch.cat([seq, last.argmax(-1)], dim=1)
 
     r = ratio(f"generate {gen_tokens} tokens, loops {loops}: cached / recompute", cached, recompute, "<= 0.2")

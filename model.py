@@ -18,6 +18,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -251,6 +252,19 @@ class KVCache:
                     dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
 
 
+class Loops(NamedTuple):
+    """What one pass of the loop returns (GPT.loop_states; forward(..., return_loops=True)):
+      states       [h(1), ..., h(K)], h(t) = norm(stream at the end of loop t); each is a valid
+                   prediction point (GPT.head)
+      resid_norms  (K,) the residual-state norm per loop (SPEC 5): the mean over batch and positions
+                   of the stream's L2 norm at the end of loop t, before the norm; detached
+      exit_loops   (B, T) the loops each position ran under the exit rule (K if it never exited);
+                   None without exit_threshold"""
+    states: list
+    resid_norms: torch.Tensor
+    exit_loops: torch.Tensor | None = None
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -266,7 +280,6 @@ class GPT(nn.Module):
         # (positions, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
         self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
-        self.resid_norms = self.exit_loops = None
 
     @torch.no_grad()
     def init_weights(self):
@@ -319,8 +332,8 @@ class GPT(nn.Module):
         return KVCache(batch_size, self.loop_count(loops), self.config)
 
     def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
-        """[h(1), ..., h(K)], h(t) = norm(stream at the end of loop t), from one pass.
-        Each is a valid prediction point (feed it to `head`). Records self.resid_norms.
+        """Loops(states=[h(1), ..., h(K)], resid_norms, exit_loops) from one pass, h(t) = norm(stream
+        at the end of loop t). Each h(t) is a valid prediction point (feed it to `head`).
 
         bptt_loops: truncated backpropagation (Huginn): only the last bptt_loops loops build a
         graph; the loops before them run under no_grad, so their output enters the window as a
@@ -330,7 +343,8 @@ class GPT(nn.Module):
         from then on its h(t) stays h(exit loop) and its keys/values at later loops are copies of
         its exit loop's (KVCache.done), so a later token attends to the last state it reached. K is
         then the most loops a token runs. A full forward gets a KV cache of its own, so cached
-        decoding and a full forward compute the same function. Records self.exit_loops (B, T)."""
+        decoding and a full forward compute the same function; exit_loops (B, T) says how many
+        loops each position ran."""
         c, K = self.config, self.loop_count(loops)
         B, T = idx.shape
         pos, limit = (0, self.cos.size(0)) if kv_cache is None else (kv_cache.pos, kv_cache.capacity)
@@ -345,10 +359,10 @@ class GPT(nn.Module):
         if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):
             raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
         no_grad_loops = 0 if bptt_loops is None else max(0, K - bptt_loops)
-        done = logp = None
+        done = logp = exit_loops = None
         if exit_threshold is not None:
             done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
-            self.exit_loops = torch.full((B, T), K, device=idx.device)
+            exit_loops = torch.full((B, T), K, device=idx.device)
         if kv_cache is not None:
             kv_cache.done = done
         rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
@@ -368,7 +382,7 @@ class GPT(nn.Module):
             norms.append(x.detach().float().norm(dim=-1).mean())  # SPEC 5: residual-state norm
             hs.append(norm(x))
             if done is not None:
-                done, logp = self._exit(hs, done, logp, exit_threshold)
+                done, logp = self._exit(hs, done, logp, exit_threshold, exit_loops)
                 kv_cache.done = done
                 if done.all() and t + 1 < K:  # nobody loops on: later loops' entries are copies
                     kv_cache.fill(t, T)
@@ -376,20 +390,19 @@ class GPT(nn.Module):
                     break
         if kv_cache is not None:
             kv_cache.pos += T
-        self.resid_norms = torch.stack(norms)
-        return hs
+        return Loops(hs, torch.stack(norms), exit_loops)
 
-    def _exit(self, hs, done, logp_prev, threshold):
+    def _exit(self, hs, done, logp_prev, threshold, exit_loops):
         """The exit rule after loop t = len(hs): the positions done before it keep their h; those whose
-        prediction moved less than threshold (KL, nats) since loop t-1 exit at t. Returns the new
-        done mask and the log-probabilities the next check compares against."""
+        prediction moved less than threshold (KL, nats) since loop t-1 exit at t (noted in exit_loops).
+        Returns the new done mask and the log-probabilities the next check compares against."""
         logp = F.log_softmax(self.head(hs[-1]), dim=-1)
         if logp_prev is None:  # loop 1: nothing to compare with yet
             return done, logp
         kl = F.kl_div(logp, logp_prev, log_target=True, reduction="none").sum(-1)  # KL(p(t-1) || p(t))
         exits = ~done & (kl.clamp(min=0) < threshold)  # clamped: threshold 0 never exits on rounding
         hs[-1] = torch.where(done[..., None], hs[-2], hs[-1])
-        self.exit_loops[exits] = len(hs)
+        exit_loops[exits] = len(hs)
         return done | exits, logp  # a done position is never checked again
 
     def _loop(self, x, h_prev, t, rope, caches):
@@ -420,17 +433,21 @@ class GPT(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None, bptt_loops=None,
-                exit_threshold=None):
+                exit_threshold=None, return_loops=False):
         """Logits (B, T, V) of the last loop, or the loss if targets are given.
         all_loops=True: a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
-        bptt_loops, exit_threshold: see loop_states."""
-        hs = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
+        return_loops=True: (that output, the pass's Loops), e.g. `loss, looped = model(x, y,
+        return_loops=True)` for looped.resid_norms. bptt_loops, exit_threshold: see loop_states."""
+        looped = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
+        hs = looped.states
         if not (all_loops or (targets is not None and self.config.loss_all_loops)):
             hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
         outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
         if all_loops:
-            return torch.stack(outputs) if targets is not None else outputs
-        return torch.stack(outputs).mean() if targets is not None else outputs[-1]
+            out = torch.stack(outputs) if targets is not None else outputs
+        else:
+            out = torch.stack(outputs).mean() if targets is not None else outputs[-1]
+        return (out, looped) if return_loops else out
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,

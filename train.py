@@ -432,13 +432,14 @@ while True:
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
         x, y = next(loader)
         with autocast:
-            loss = model(x, y, loops=K, bptt_loops=bptt) / grad_accum
+            loss, looped = model(x, y, loops=K, bptt_loops=bptt, return_loops=True)
+            loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
     # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
     # non-finite), so every rank takes the same decision below. An overflowed stream can still
     # give a finite, useless loss, hence the residual norm.
-    stats = torch.stack([train_loss, model.resid_norms.max().to(train_loss.device)])
+    stats = torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)])
     if ddp:
         dist.all_reduce(stats)
     train_loss, resid = stats[0].item() / world_size, stats[1].item()
@@ -468,7 +469,7 @@ while True:
     dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
     tok_per_s = total_batch_size / dt
     flops_per_token = model.estimate_flops(K, bptt)  # the K actually run, backprop as run
-    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=model.resid_norms.tolist(),
+    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=looped.resid_norms.tolist(),
                   tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
                   if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds

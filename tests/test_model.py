@@ -303,7 +303,7 @@ def test_loop_states_and_head_match_reference(variant):
     model = make_model(variant, "gqa")
     idx = random_tokens(2, 20)
     with torch.no_grad():
-        states = list(model.loop_states(idx, loops=3))
+        states = model.loop_states(idx, loops=3).states
         logits = model(idx, loops=3)
         head = model.head(states[-1])
     _, ref_hs, _ = reference_forward(model, model.config, idx, 3)
@@ -407,10 +407,12 @@ def test_long_input_exit_rule_and_checkpointing():
     model, idx = make_model("FLT", "window"), random_tokens(2, LONG)
     with torch.no_grad():  # the exit rule's own KV cache is as long as the input
         full = model(idx, loops=3)
-        torch.testing.assert_close(model(idx, loops=3, exit_threshold=0.0), full, atol=1e-5, rtol=0)
-        assert (model.exit_loops == 3).all()
-        exit_at_2 = model(idx, loops=3, exit_threshold=1e9)  # every position exits at loop 2
-        assert (model.exit_loops == 2).all()
+        gated, looped = model(idx, loops=3, exit_threshold=0.0, return_loops=True)
+        torch.testing.assert_close(gated, full, atol=1e-5, rtol=0)
+        assert (looped.exit_loops == 3).all()
+        exit_at_2, looped = model(idx, loops=3, exit_threshold=1e9, return_loops=True)  # all exit at loop 2
+        assert (looped.exit_loops == 2).all()
+        assert model(idx, loops=3, return_loops=True)[1].exit_loops is None  # no exit rule, no count
         torch.testing.assert_close(exit_at_2, model(idx, loops=2), atol=1e-5, rtol=0)
     grads = []
     for ckpt in (False, True):
@@ -530,8 +532,10 @@ def test_all_loops_one_pass(variant):
     K = 4
     with torch.no_grad():
         all_logits = model(idx, loops=K, all_loops=True)
-        all_losses = model(idx, targets, loops=K, all_loops=True)
-        norms = model.resid_norms.clone()
+        all_losses, looped = model(idx, targets, loops=K, all_loops=True, return_loops=True)
+        norms = looped.resid_norms
+        assert len(looped.states) == K and looped.exit_loops is None
+        torch.testing.assert_close(model.loop_states(idx, loops=K).resid_norms, norms, atol=0, rtol=0)
         assert isinstance(all_logits, (list, tuple)) and len(all_logits) == K
         assert all_losses.shape == (K,)
         for k in range(1, K + 1):
@@ -544,6 +548,7 @@ def test_all_loops_one_pass(variant):
     ref_norms = torch.stack([s.norm(dim=-1).mean() for s in ref_streams])
     assert norms.shape == (K,) and not norms.requires_grad
     torch.testing.assert_close(norms, ref_norms.float(), atol=1e-4, rtol=1e-5)
+    assert not hasattr(model, "resid_norms") and not hasattr(model, "exit_loops")  # returned, not left behind
 
 
 def test_loss_all_loops_is_mean_over_loops():
@@ -593,7 +598,7 @@ def test_precision_helper_gives_training_and_eval_the_same_function():
     with ctx:  # training usage: train mode, autograd on, forward()
         train_logits = model.train()(idx)
     with torch.no_grad(), ctx:  # eval.py's usage: eval mode, loop_states + head
-        eval_logits = model.eval().head(model.loop_states(idx)[-1])
+        eval_logits = model.eval().head(model.loop_states(idx).states[-1])
     torch.testing.assert_close(train_logits, eval_logits, atol=0, rtol=0)
     diff = (train_logits - fp32).abs()
     assert 0 < diff.max() < 0.1 and diff.mean() < 0.02  # logits span about +-4
@@ -754,7 +759,8 @@ def test_training_forward_traces_without_graph_breaks(variant, attention, ckpt):
     # same on CPU, so a graph break introduced in model.py shows up here.
     model = make_model(variant, attention, checkpoint_loops=ckpt).train()
     idx = random_tokens(2, 16)
-    explained = torch._dynamo.explain(model)(idx, idx, loops=3)
-    torch._dynamo.reset()
-    assert explained.graph_break_count == 0, explained.break_reasons
+    for kw in ({}, dict(bptt_loops=2, return_loops=True)):  # the second: train.py's call
+        explained = torch._dynamo.explain(model)(idx, idx, loops=3, **kw)
+        torch._dynamo.reset()
+        assert explained.graph_break_count == 0, (kw, explained.break_reasons)
 
