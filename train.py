@@ -19,11 +19,11 @@ import checkpoint
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, LOOP_SAMPLERS, config_for_depth, sample_loops
+from model import GPT, GPTConfig, config_for_depth
 from planning import estimate_memory, peak_flops
 import runtime
 from runtime import print0
-from optim import build_optimizers, reduce_gradients
+from optim import LOOP_SAMPLERS, build_optimizers, reduce_gradients, sample_loops
 
 # ----------------------------------------------------------------------------- settings
 # I/O

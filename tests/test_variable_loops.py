@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, norm, restart, sample_loops
+from model import GPT, norm, restart
+from optim import sample_loops
 from test_model import ATTENTION, VARIANTS, make_config, make_model, random_tokens
 from test_train import RUNNER, losses, train
 
