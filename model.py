@@ -6,8 +6,8 @@ parameters. Plain looping (LT) is unstable: the residual stream grows with every
 and training collapses at high K. The paper's fix, FLT, restarts every loop from the
 raw embedding and lets the previous loop steer each layer's attention (queries from the
 previous loop's output, keys/values from the current stream), so what a loop reads is
-bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the
-loop, the KV cache, the model.
+bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the two
+variant choices, the model and its loop (GPT.loop_states), decoding's KV cache, the exit rule.
 
 The five variants differ only in two choices, made once per loop and once per layer:
   restart(t):    what the stream starts loop t from  (LT: h, LT_i: norm(e + h), else norm(e))
@@ -211,58 +211,11 @@ def injection(variant, layer):
     return "res" if variant == "FLT_res" else None
 
 
-class KVCache:
-    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
-    a different stream. A forward writes its tokens at `pos`; the cache holds `capacity` tokens.
-
-    Depth per token (GPT.loop_states' exit_threshold): `done` (B, T) marks this forward's
-    positions that have stopped looping. Their keys/values at every later loop are copies of
-    their exit loop's (as Huginn's cache), so a later token reads the last state they reached."""
-
-    def __init__(self, batch_size, loops, config, capacity=None):
-        self.loops, self.n_layer, self.pos, self.done = loops, config.n_layer, 0, None
-        self.capacity = capacity or config.sequence_len
-        self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
-        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
-
-    def slot(self, loop, layer, like):
-        if (loop, layer) not in self.kv:
-            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
-        return self.kv[loop, layer]
-
-    def update(self, loop, layer, k, v):
-        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far."""
-        k_all, v_all = self.slot(loop, layer, k)
-        end = self.pos + k.size(2)
-        if self.done is not None and loop > 0:  # exited positions keep the previous loop's (= exit loop's)
-            k_prev, v_prev = self.kv[loop - 1, layer]
-            keep = self.done[:, None, :, None]
-            k = torch.where(keep, k_prev[:, :, self.pos:end], k)
-            v = torch.where(keep, v_prev[:, :, self.pos:end], v)
-        k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
-        return k_all[:, :, :end], v_all[:, :, :end], self.pos
-
-    def fill(self, last, n):
-        """Every position of this forward (n tokens from pos) exited by loop `last`: copy their
-        keys/values into the loops after it, which were not run."""
-        for loop in range(last + 1, self.loops):
-            for layer in range(self.n_layer):
-                prev = self.kv[loop - 1, layer]
-                for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
-                    dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
-
-
 class Loops(NamedTuple):
-    """What one pass of the loop returns (GPT.loop_states; forward(..., return_loops=True)):
-      states       [h(1), ..., h(K)], h(t) = norm(stream at the end of loop t); each is a valid
-                   prediction point (GPT.head)
-      resid_norms  (K,) the residual-state norm per loop (SPEC 5): the mean over batch and positions
-                   of the stream's L2 norm at the end of loop t, before the norm; detached
-      exit_loops   (B, T) the loops each position ran under the exit rule (K if it never exited);
-                   None without exit_threshold"""
-    states: list
-    resid_norms: torch.Tensor
-    exit_loops: torch.Tensor | None = None
+    """One pass of the loop, as GPT.loop_states (and forward(..., return_loops=True)) return it."""
+    states: list                  # [h(1), ..., h(K)], h(t) = norm(stream after loop t): each a prediction point
+    resid_norms: torch.Tensor     # (K,) SPEC 5: mean L2 norm of the stream after loop t (before norm), detached
+    exit_loops: torch.Tensor | None = None  # (B, T) loops each position ran (ExitRule); None without it
 
 
 class GPT(nn.Module):
@@ -305,125 +258,69 @@ class GPT(nn.Module):
             else:
                 nn.init.uniform_(p, -s, s)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
-
-    def loop_count(self, loops=None):
-        """K for a call: loops, or the config's default when None."""
-        K = self.config.loops if loops is None else loops
-        if not isinstance(K, int) or K < 1:
-            raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
-        return K
-
-    def estimate_flops(self, loops=None, bptt_loops=None):
-        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
-        The blocks run K times; the LM head once per supervised loop; attention scores cost
-        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
-        backpropagation only the last bptt_loops loops are differentiated: the loops before them
-        run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
-        c, K = self.config, self.loop_count(loops)
-        G = K if bptt_loops is None else min(K, bptt_loops)
-        block = sum(p.numel() for p in self.transformer.h.parameters())
-        head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
-        attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
-        return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
-
-    def new_kv_cache(self, batch_size, loops=None):
-        return KVCache(batch_size, self.loop_count(loops), self.config)
-
     def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
-        """Loops(states=[h(1), ..., h(K)], resid_norms, exit_loops) from one pass, h(t) = norm(stream
-        at the end of loop t). Each h(t) is a valid prediction point (feed it to `head`).
+        """The loop (Sec. 4), one body for all five variants: Loops(states=[h(1), ..., h(K)], resid_norms,
+        exit_loops) from one pass, h(t) = norm(stream after loop t), each a prediction point (`head`).
+        kv_cache: decoding's KVCache for K loops; this call's tokens are written at its pos.
+        bptt_loops: truncated backpropagation (_truncated_backprop); None = every loop.
+        exit_threshold: depth per token (ExitRule), at most K loops. A full forward gets a KV cache of
+        its own, as long as the input, so cached decoding and a full forward compute the same function."""
+        K, (B, T) = self.loop_count(loops), idx.shape
+        self._check_inputs(T, K, kv_cache, bptt_loops)
+        if exit_threshold is not None and kv_cache is None:  # the exit rule's own cache
+            kv_cache = KVCache(B, K, self.config, capacity=T)
+        exits = ExitRule(exit_threshold, idx, self.head, kv_cache)  # does nothing without a threshold
+        pos = 0 if kv_cache is None else kv_cache.pos
+        rope, e = (self.cos[pos:pos + T], self.sin[pos:pos + T]), self.transformer.wte(idx)
+        x0, hs, norms = norm(e), [], []
+        for t in range(K):
+            h_prev = hs[-1] if hs else None
+            with self._truncated_backprop(t, K, bptt_loops):                          # no_grad before the window
+                x = x0 if t == 0 else restart(self.config.variant, e, x0, h_prev)     # where loop t starts
+                x = self._checkpointed_loop(x, h_prev, t, rope, kv_cache, exits.done)  # the L blocks, injected
+            norms.append(x.detach().float().norm(dim=-1).mean())                     # SPEC 5: residual norm
+            hs.append(norm(x))                                                       # h(t)
+            if exits.update(hs):                                                     # no position loops on
+                break
+        if kv_cache is not None:
+            kv_cache.pos += T
+        return Loops(hs, torch.stack(norms), exits.exit_loops)
 
-        bptt_loops: truncated backpropagation (Huginn): only the last bptt_loops loops build a
-        graph; the loops before them run under no_grad, so their output enters the window as a
-        constant. None = every loop.
-        exit_threshold: depth per token. From loop 2 on, a position stops looping once
-        KL(p(t-1) || p(t)) of its LM-head distributions is below the threshold (Huginn's KL exit);
-        from then on its h(t) stays h(exit loop) and its keys/values at later loops are copies of
-        its exit loop's (KVCache.done), so a later token attends to the last state it reached. K is
-        then the most loops a token runs. A full forward gets a KV cache of its own, so cached
-        decoding and a full forward compute the same function; exit_loops (B, T) says how many
-        loops each position ran."""
-        c, K = self.config, self.loop_count(loops)
-        B, T = idx.shape
+    def _check_inputs(self, T, K, kv_cache, bptt_loops):
+        """ValueError, naming the limit, for what loop_states cannot run."""
         pos, limit = (0, self.cos.size(0)) if kv_cache is None else (kv_cache.pos, kv_cache.capacity)
         if pos + T > limit:
             what = (f"the RoPE table's {limit} positions ({ROPE_SPAN} x " if kv_cache is None
                     else f"the KV cache's capacity of {limit} tokens (")
-            raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={c.sequence_len})")
-        if exit_threshold is not None and kv_cache is None:  # a cache of its own, as long as the input
-            kv_cache = KVCache(B, K, c, capacity=T)
+            raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={self.config.sequence_len})")
         if kv_cache is not None and kv_cache.loops != K:  # fewer would leave later loops' entries unwritten
             raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
         if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):
             raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
-        no_grad_loops = 0 if bptt_loops is None else max(0, K - bptt_loops)
-        done = logp = exit_loops = None
-        if exit_threshold is not None:
-            done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
-            exit_loops = torch.full((B, T), K, device=idx.device)
-        if kv_cache is not None:
-            kv_cache.done = done
-        rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
-        e = self.transformer.wte(idx)
-        x0, hs, norms = norm(e), [], []
-        for t in range(K):
-            h_prev = hs[-1] if hs else None
-            with torch.no_grad() if t < no_grad_loops else nullcontext():
-                x = x0 if t == 0 else restart(c.variant, e, x0, h_prev)
-                caches = [None if kv_cache is None else partial(kv_cache.update, t, i)
-                          for i in range(c.n_layer)]
-                if c.checkpoint_loops and self.training and torch.is_grad_enabled():
-                    # The recomputation gets x and h_prev as saved inputs, so it sees this loop's h(t-1).
-                    x = checkpoint(self._loop, x, h_prev, t, rope, caches, use_reentrant=False)
-                else:
-                    x = self._loop(x, h_prev, t, rope, caches)
-            norms.append(x.detach().float().norm(dim=-1).mean())  # SPEC 5: residual-state norm
-            hs.append(norm(x))
-            if done is not None:
-                done, logp = self._exit(hs, done, logp, exit_threshold, exit_loops)
-                kv_cache.done = done
-                if done.all() and t + 1 < K:  # nobody loops on: later loops' entries are copies
-                    kv_cache.fill(t, T)
-                    hs += hs[-1:] * (K - t - 1)
-                    break
-        if kv_cache is not None:
-            kv_cache.pos += T
-        return Loops(hs, torch.stack(norms), exit_loops)
 
-    def _exit(self, hs, done, logp_prev, threshold, exit_loops):
-        """The exit rule after loop t = len(hs): the positions done before it keep their h; those whose
-        prediction moved less than threshold (KL, nats) since loop t-1 exit at t (noted in exit_loops).
-        Returns the new done mask and the log-probabilities the next check compares against."""
-        logp = F.log_softmax(self.head(hs[-1]), dim=-1)
-        if logp_prev is None:  # loop 1: nothing to compare with yet
-            return done, logp
-        kl = F.kl_div(logp, logp_prev, log_target=True, reduction="none").sum(-1)  # KL(p(t-1) || p(t))
-        exits = ~done & (kl.clamp(min=0) < threshold)  # clamped: threshold 0 never exits on rounding
-        hs[-1] = torch.where(done[..., None], hs[-2], hs[-1])
-        exit_loops[exits] = len(hs)
-        return done | exits, logp  # a done position is never checked again
+    @staticmethod
+    def _truncated_backprop(t, K, bptt_loops):
+        """Truncated backpropagation (Huginn): only the last bptt_loops of the K loops build a graph;
+        loop t before them runs under no_grad, so its output enters the window as a constant."""
+        return torch.no_grad() if bptt_loops is not None and t < K - bptt_loops else nullcontext()
 
-    def _loop(self, x, h_prev, t, rope, caches):
-        """One pass through the L blocks: the loop body, shared by all five variants."""
+    def _checkpointed_loop(self, *args):
+        """_loop(*args); with checkpoint_loops in training, in an activation checkpoint: backward recomputes
+        it (memory ~ one loop, not K) from its saved inputs x and h_prev, so with this loop's h(t-1)."""
+        if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
+            return checkpoint(self._loop, *args, use_reentrant=False)
+        return self._loop(*args)
+
+    def _loop(self, x, h_prev, t, rope, kv_cache=None, done=None):
+        """Loop t: the L blocks, each with its injection; the loop body, shared by all five variants.
+        With a KV cache each layer keeps its (loop t, layer) entry (done: KVCache.update)."""
         for i, block in enumerate(self.transformer.h):
             inject = injection(self.config.variant, i) if t > 0 else None
-            # Decoding runs eagerly: its shapes change every step, so a compiled block would recompile.
-            run = block if caches[i] is None else block.forward
-            x = run(x, rope, h_prev, inject, caches[i])
+            if kv_cache is None:
+                x = block(x, rope, h_prev, inject)
+            else:  # decoding runs eagerly: its shapes change every step, so a compiled block would recompile
+                x = block.forward(x, rope, h_prev, inject, partial(kv_cache.update, t, i, done=done))
         return x
-
-    def compile_regions(self, **kwargs):
-        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
-        The blocks share their code, so dynamo builds one graph per kind of layer (injection
-        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
-        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
-        activations alive). Runs with a KV cache stay eager. Returns the model."""
-        for block in self.transformer.h:
-            block.compile(**kwargs)
-        self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
-        return self
 
     def head(self, h):
         logits = self.lm_head(h)[..., :self.config.vocab_size].float()  # padded ids never predicted
@@ -439,9 +336,8 @@ class GPT(nn.Module):
         return_loops=True: (that output, the pass's Loops), e.g. `loss, looped = model(x, y,
         return_loops=True)` for looped.resid_norms. bptt_loops, exit_threshold: see loop_states."""
         looped = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
-        hs = looped.states
-        if not (all_loops or (targets is not None and self.config.loss_all_loops)):
-            hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
+        every = all_loops or (targets is not None and self.config.loss_all_loops)
+        hs = looped.states if every else looped.states[-1:]  # other loops cost no head FLOPs unless asked for
         outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
         if all_loops:
             out = torch.stack(outputs) if targets is not None else outputs
@@ -457,9 +353,7 @@ class GPT(nn.Module):
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
-        rng = None
-        if seed is not None:
-            rng = torch.Generator(device=idx.device).manual_seed(seed)
+        rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
         cache = self.new_kv_cache(idx.size(0), loops)
         logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
         for step in range(max_new_tokens):
@@ -474,3 +368,116 @@ class GPT(nn.Module):
             yield token
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
+
+    def new_kv_cache(self, batch_size, loops=None):
+        return KVCache(batch_size, self.loop_count(loops), self.config)
+
+    def loop_count(self, loops=None):
+        """K for a call: loops, or the config's default when None."""
+        K = self.config.loops if loops is None else loops
+        if not isinstance(K, int) or K < 1:
+            raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
+        return K
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self, loops=None, bptt_loops=None):
+        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
+        The blocks run K times; the LM head once per supervised loop; attention scores cost
+        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
+        backpropagation only the last bptt_loops loops are differentiated: the loops before them
+        run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
+        c, K = self.config, self.loop_count(loops)
+        G = K if bptt_loops is None else min(K, bptt_loops)
+        block = sum(p.numel() for p in self.transformer.h.parameters())
+        head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
+        attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
+        return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
+
+    def compile_regions(self, **kwargs):
+        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
+        The blocks share their code, so dynamo builds one graph per kind of layer (injection
+        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
+        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
+        activations alive). Runs with a KV cache stay eager. Returns the model."""
+        for block in self.transformer.h:
+            block.compile(**kwargs)
+        self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
+        return self
+
+
+# ------------------------------------------------------------------------------------
+# Decoding (SPEC 4) and depth per token: a KV cache per (loop, layer), and the exit rule.
+
+class KVCache:
+    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
+    a different stream. A forward writes its tokens at `pos`; the cache holds `capacity` tokens."""
+
+    def __init__(self, batch_size, loops, config, capacity=None):
+        self.loops, self.n_layer, self.pos = loops, config.n_layer, 0
+        self.capacity = capacity or config.sequence_len
+        self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
+        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
+
+    def slot(self, loop, layer, like):
+        if (loop, layer) not in self.kv:
+            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
+        return self.kv[loop, layer]
+
+    def update(self, loop, layer, k, v, done=None):
+        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far and
+        pos. done (B, T): this forward's positions that stopped looping before `loop` (ExitRule);
+        they keep the previous loop's keys/values, which are their exit loop's (as Huginn's cache)."""
+        k_all, v_all = self.slot(loop, layer, k)
+        end = self.pos + k.size(2)
+        if done is not None and loop > 0:
+            k_prev, v_prev = self.kv[loop - 1, layer]
+            keep = done[:, None, :, None]
+            k = torch.where(keep, k_prev[:, :, self.pos:end], k)
+            v = torch.where(keep, v_prev[:, :, self.pos:end], v)
+        k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
+        return k_all[:, :, :end], v_all[:, :, :end], self.pos
+
+    def fill(self, last, n):
+        """Every position of this forward (n tokens from pos) exited by loop `last`: copy their
+        keys/values into the loops after it, which were not run."""
+        for loop in range(last + 1, self.loops):
+            for layer in range(self.n_layer):
+                prev = self.kv[loop - 1, layer]
+                for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
+                    dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
+
+
+class ExitRule:
+    """Depth per token (Huginn's KL exit) in one forward over idx (B, T): from loop 2 on, a position stops
+    looping once KL(p(t-1) || p(t)) of its LM-head distributions is below `threshold` (nats). Its h(t)
+    then stays h(exit loop), and its keys/values at later loops are its exit loop's (`done`, for
+    KVCache.update), so later tokens attend to the last state it reached. exit_loops (B, T): the loops
+    each position ran. threshold None: no rule (done and exit_loops None; every loop runs)."""
+
+    def __init__(self, threshold, idx, head, kv_cache):
+        self.threshold, self.head, self.kv_cache, self.logp = threshold, head, kv_cache, None
+        on = threshold is not None  # done: exited yet; exit_loops: K until a position exits
+        self.done = torch.zeros_like(idx, dtype=torch.bool) if on else None
+        self.exit_loops = torch.full(idx.shape, kv_cache.loops, device=idx.device) if on else None
+
+    def update(self, hs):
+        """After loop t = len(hs): positions that exited before it keep their h; those whose prediction
+        moved less than the threshold since loop t-1 exit at t. True once no position loops on: the
+        later loops' h and keys/values are then copies, filled in here, and the loop can stop."""
+        if self.threshold is None:
+            return False
+        t, K, logp = len(hs), self.kv_cache.loops, F.log_softmax(self.head(hs[-1]), dim=-1)
+        if self.logp is not None:  # loop 1 has nothing to compare with
+            kl = F.kl_div(logp, self.logp, log_target=True, reduction="none").sum(-1)  # KL(p(t-1) || p(t))
+            exits = ~self.done & (kl.clamp(min=0) < self.threshold)  # clamped: 0 never exits on rounding
+            hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])
+            self.exit_loops[exits] = t
+            self.done = self.done | exits  # a done position is never checked again
+        self.logp = logp
+        if t < K and self.done.all():
+            self.kv_cache.fill(t - 1, hs[-1].size(1))
+            hs += hs[-1:] * (K - t)
+            return True
+        return False

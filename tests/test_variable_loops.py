@@ -57,11 +57,11 @@ def test_truncated_backprop_equals_detaching_the_early_loops(variant):
         model.zero_grad()
         if how == "by_hand":
             e = model.transformer.wte(idx)
-            x0, T, L = norm(e), idx.size(1), model.config.n_layer
+            x0, T = norm(e), idx.size(1)
             rope = (model.cos[:T].double(), model.sin[:T].double())
             h = model.loop_states(idx, loops=3).states[-1].detach()
             for t in (3, 4):
-                h = norm(model._loop(restart(variant, e, x0, h), h, t, rope, [None] * L))
+                h = norm(model._loop(restart(variant, e, x0, h), h, t, rope))
             loss = model.loss(h, y)
         else:
             loss = model(idx, y, loops=5, bptt_loops=2 if how == "bptt" else None)
