@@ -24,7 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import corpus
 import data
 from configurator import configure
-from model import GPT, config_for_depth, peak_flops
+from model import GPT, config_for_depth
+from planning import peak_flops
 from runtime import precision
 from optim import build_optimizers
 
@@ -115,7 +116,7 @@ def ratios():
     @torch.no_grad()
     def one_pass():
         with autocast:
-            hs = flt.loop_states(idx, max(budgets))
+            hs = flt.loop_states(idx, max(budgets)).states
             [flt.head(hs[K - 1]) for K in budgets]
 
     @torch.no_grad()
@@ -138,7 +139,7 @@ def ratios():
         seq = prompt
         with autocast:
             for _ in range(gen_tokens):
-                last = gen.head(gen.loop_states(seq, loops)[-1][:, -1:])
+                last = gen.head(gen.loop_states(seq, loops).states[-1][:, -1:])
                 seq = torch.cat([seq, last.argmax(-1)], dim=1)
 
     r = ratio(f"generate {gen_tokens} tokens, loops {loops}: cached / recompute", cached, recompute, "<= 0.2")

@@ -132,7 +132,7 @@ def device_of(model):
 def loop_losses(model, idx, targets, loops_list):
     """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
     Run it in the model's precision context (model.precision), as main() and train.py do."""
-    hs = model.loop_states(idx, max(loops_list))
+    hs = model.loop_states(idx, max(loops_list)).states
     result = {}
     for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
         logits = model.head(hs[K - 1])
@@ -183,10 +183,10 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
         n_bytes = byte_counts(token_bytes, y)
         scored = n_bytes > 0
         for i, threshold in enumerate(thresholds):
-            logits = model(x, loops=loops, exit_threshold=threshold)
+            logits, looped = model(x, loops=loops, exit_threshold=threshold, return_loops=True)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
             sums[2 * i:2 * i + 2] += torch.stack([loss.view_as(y)[scored].sum(),
-                                                  model.exit_loops[scored].sum()]).double()
+                                                  looped.exit_loops[scored].sum()]).double()
             if progress:
                 progress()
         sums[-2:] += torch.stack([n_bytes.sum(), scored.sum()]).double()

@@ -6,8 +6,8 @@ parameters. Plain looping (LT) is unstable: the residual stream grows with every
 and training collapses at high K. The paper's fix, FLT, restarts every loop from the
 raw embedding and lets the previous loop steer each layer's attention (queries from the
 previous loop's output, keys/values from the current stream), so what a loop reads is
-bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the
-loop, the KV cache, the model.
+bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the two
+variant choices, the model and its loop (GPT.loop_states), decoding's KV cache, the exit rule.
 
 The five variants differ only in two choices, made once per loop and once per layer:
   restart(t):    what the stream starts loop t from  (LT: h, LT_i: norm(e + h), else norm(e))
@@ -18,13 +18,12 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-from runtime import dtype_bytes  # estimate_memory's; it moves to planning.py
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
@@ -83,10 +82,11 @@ class GPTConfig:
 
 
 def config_for_depth(depth, **overrides):
-    """The paper's shape from one integer: d = 64*depth, n_head = ceil(d/128), L = depth."""
+    """The paper's shape from one integer: d = 64*depth, n_head = ceil(d/128), L = depth, n_kv_head =
+    n_head; overrides (any GPTConfig field, n_kv_head included) replace or add to it."""
     d = 64 * depth
     n_head = math.ceil(d / 128)
-    return GPTConfig(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head, **overrides)
+    return GPTConfig(**dict(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head) | overrides)
 
 
 def norm(x):
@@ -211,45 +211,11 @@ def injection(variant, layer):
     return "res" if variant == "FLT_res" else None
 
 
-class KVCache:
-    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
-    a different stream. A forward writes its tokens at `pos`; the cache holds `capacity` tokens.
-
-    Depth per token (GPT.loop_states' exit_threshold): `done` (B, T) marks this forward's
-    positions that have stopped looping. Their keys/values at every later loop are copies of
-    their exit loop's (as Huginn's cache), so a later token reads the last state they reached."""
-
-    def __init__(self, batch_size, loops, config, capacity=None):
-        self.loops, self.n_layer, self.pos, self.done = loops, config.n_layer, 0, None
-        self.capacity = capacity or config.sequence_len
-        self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
-        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
-
-    def slot(self, loop, layer, like):
-        if (loop, layer) not in self.kv:
-            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
-        return self.kv[loop, layer]
-
-    def update(self, loop, layer, k, v):
-        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far."""
-        k_all, v_all = self.slot(loop, layer, k)
-        end = self.pos + k.size(2)
-        if self.done is not None and loop > 0:  # exited positions keep the previous loop's (= exit loop's)
-            k_prev, v_prev = self.kv[loop - 1, layer]
-            keep = self.done[:, None, :, None]
-            k = torch.where(keep, k_prev[:, :, self.pos:end], k)
-            v = torch.where(keep, v_prev[:, :, self.pos:end], v)
-        k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
-        return k_all[:, :, :end], v_all[:, :, :end], self.pos
-
-    def fill(self, last, n):
-        """Every position of this forward (n tokens from pos) exited by loop `last`: copy their
-        keys/values into the loops after it, which were not run."""
-        for loop in range(last + 1, self.loops):
-            for layer in range(self.n_layer):
-                prev = self.kv[loop - 1, layer]
-                for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
-                    dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
+class Loops(NamedTuple):
+    """One pass of the loop, as GPT.loop_states (and forward(..., return_loops=True)) return it."""
+    states: list                  # [h(1), ..., h(K)], h(t) = norm(stream after loop t): each a prediction point
+    resid_norms: torch.Tensor     # (K,) SPEC 5: mean L2 norm of the stream after loop t (before norm), detached
+    exit_loops: torch.Tensor | None = None  # (B, T) loops each position ran (ExitRule); None without it
 
 
 class GPT(nn.Module):
@@ -267,7 +233,6 @@ class GPT(nn.Module):
         # (positions, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
         self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
-        self.resid_norms = self.exit_loops = None
 
     @torch.no_grad()
     def init_weights(self):
@@ -293,171 +258,69 @@ class GPT(nn.Module):
             else:
                 nn.init.uniform_(p, -s, s)
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
-
-    def _loops(self, loops):
-        K = self.config.loops if loops is None else loops
-        if not isinstance(K, int) or K < 1:
-            raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
-        return K
-
-    def estimate_flops(self, loops=None, bptt_loops=None):
-        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
-        The blocks run K times; the LM head once per supervised loop; attention scores cost
-        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
-        backpropagation only the last bptt_loops loops are differentiated: the loops before them
-        run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
-        c, K = self.config, self._loops(loops)
-        G = K if bptt_loops is None else min(K, bptt_loops)
-        block = sum(p.numel() for p in self.transformer.h.parameters())
-        head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
-        attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
-        return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
-
-    def estimate_memory(self, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
-                        world_size=1, device_type="cuda"):
-        """Peak training bytes per GPU: {parameters, gradients, optimizer, activations, total}.
-        Optimizer state: AdamW's two slots (in the parameter's dtype) for wte and lm_head,
-        sharded over world_size; Muon's momentum for the block matrices, each owned by one
-        rank (rank 0's share). Activations, per token, d = n_embd, kv = n_kv_head * head_dim,
-        b = 2 (bf16 autocast) or 4 bytes, s = bytes of the residual stream (norm's output:
-        bf16 on CPU, fp32 under CUDA's autocast), V = padded vocabulary:
-          eager, per layer and loop: the stream twice (2s d), the normed inputs of the four
-            linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
-            RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
-            (b(2d + 2kv)), ReLU and its square (8b d); per loop also h(t) and the stream (s d)
-          compiled (compile_regions; inductor recomputes pointwise ops): 2s d + b(2d + 2kv) + 4b d
-          checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
-          logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
-            gradients (8V) in backward; compiled keeps the bf16 logits (bV) and peaks at +4V.
-        Checked against CPU measurements (bf16 autocast, eager) in tests/test_model.py. The
-        compiled counts are the partitioner's expected choice, not calibrated: CPU inductor
-        (bench.py --mode=memory, regional) kept ~1.3-1.5x more."""
-        c, K = self.config, self._loops(loops)
-        ckpt = c.checkpoint_loops if checkpoint_loops is None else checkpoint_loops
-        b = dtype_bytes(dtype)
-        s = 2 if (b == 2 and device_type == "cpu") else 4
-        d, kv, L, V = c.n_embd, c.n_kv_head * (c.n_embd // c.n_head), c.n_layer, c.padded_vocab
-        if compiled:
-            layer, head, head_peak = 2 * s * d + b * (2 * d + 2 * kv) + 4 * b * d, b * V, 4 * V
-        else:
-            layer = 2 * s * d + (2 if s == b else 4) * b * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
-            head, head_peak = 8 * V, 8 * V
-        N, loop = batch_size * c.sequence_len, L * layer + s * d
-        held = N * (K * (2 * s * d if ckpt else loop) + 2 * s * d + head)  # + e and norm(e)
-        wte, lm_head = self.transformer.wte.weight, self.lm_head.weight
-        # autocast's bf16 copies of the weights, saved for backward (the blocks' only while a loop is live)
-        blocks = 2 * sum(p.numel() for p in self.transformer.h.parameters()) if b == 2 else 0
-        held += 2 * lm_head.numel() if b == 2 else 0
-        peak = max(N * head_peak, N * loop + blocks) if ckpt else N * head_peak + blocks
-
-        def size(p, n):  # bytes of n elements of p: wte is stored in bf16 under bf16 (precision)
-            return n * (2 if p is wte and b == 2 else 4)
-        nbytes = {"parameters": sum(size(p, p.numel()) for p in self.parameters())}
-        nbytes["gradients"] = nbytes["parameters"]
-        nbytes["optimizer"] = (sum(2 * size(p, -(-p.numel() // world_size)) for p in (wte, lm_head))
-                               + sum(4 * p.numel() for p in list(self.transformer.h.parameters())[::world_size]))
-        nbytes["activations"] = held + peak
-        nbytes["total"] = sum(nbytes.values())
-        return nbytes
-
-    def new_kv_cache(self, batch_size, loops=None):
-        return KVCache(batch_size, self._loops(loops), self.config)
-
     def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
-        """[h(1), ..., h(K)], h(t) = norm(stream at the end of loop t), from one pass.
-        Each is a valid prediction point (feed it to `head`). Records self.resid_norms.
+        """The loop (Sec. 4), one body for all five variants: Loops(states=[h(1), ..., h(K)], resid_norms,
+        exit_loops) from one pass, h(t) = norm(stream after loop t), each a prediction point (`head`).
+        kv_cache: decoding's KVCache for K loops; this call's tokens are written at its pos.
+        bptt_loops: truncated backpropagation (_truncated_backprop); None = every loop.
+        exit_threshold: depth per token (ExitRule), at most K loops. A full forward gets a KV cache of
+        its own, as long as the input, so cached decoding and a full forward compute the same function."""
+        K, (B, T) = self.loop_count(loops), idx.shape
+        self._check_inputs(T, K, kv_cache, bptt_loops)
+        if exit_threshold is not None and kv_cache is None:  # the exit rule's own cache
+            kv_cache = KVCache(B, K, self.config, capacity=T)
+        exits = ExitRule(exit_threshold, idx, self.head, kv_cache)  # does nothing without a threshold
+        pos = 0 if kv_cache is None else kv_cache.pos
+        rope, e = (self.cos[pos:pos + T], self.sin[pos:pos + T]), self.transformer.wte(idx)
+        x0, hs, norms = norm(e), [], []
+        for t in range(K):
+            h_prev = hs[-1] if hs else None
+            with self._truncated_backprop(t, K, bptt_loops):                          # no_grad before the window
+                x = x0 if t == 0 else restart(self.config.variant, e, x0, h_prev)     # where loop t starts
+                x = self._checkpointed_loop(x, h_prev, t, rope, kv_cache, exits.done)  # the L blocks, injected
+            norms.append(x.detach().float().norm(dim=-1).mean())                     # SPEC 5: residual norm
+            hs.append(norm(x))                                                       # h(t)
+            if exits.update(hs):                                                     # no position loops on
+                break
+        if kv_cache is not None:
+            kv_cache.pos += T
+        return Loops(hs, torch.stack(norms), exits.exit_loops)
 
-        bptt_loops: truncated backpropagation (Huginn): only the last bptt_loops loops build a
-        graph; the loops before them run under no_grad, so their output enters the window as a
-        constant. None = every loop.
-        exit_threshold: depth per token. From loop 2 on, a position stops looping once
-        KL(p(t-1) || p(t)) of its LM-head distributions is below the threshold (Huginn's KL exit);
-        from then on its h(t) stays h(exit loop) and its keys/values at later loops are copies of
-        its exit loop's (KVCache.done), so a later token attends to the last state it reached. K is
-        then the most loops a token runs. A full forward gets a KV cache of its own, so cached
-        decoding and a full forward compute the same function. Records self.exit_loops (B, T)."""
-        c, K = self.config, self._loops(loops)
-        B, T = idx.shape
+    def _check_inputs(self, T, K, kv_cache, bptt_loops):
+        """ValueError, naming the limit, for what loop_states cannot run."""
         pos, limit = (0, self.cos.size(0)) if kv_cache is None else (kv_cache.pos, kv_cache.capacity)
         if pos + T > limit:
             what = (f"the RoPE table's {limit} positions ({ROPE_SPAN} x " if kv_cache is None
                     else f"the KV cache's capacity of {limit} tokens (")
-            raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={c.sequence_len})")
-        if exit_threshold is not None and kv_cache is None:  # a cache of its own, as long as the input
-            kv_cache = KVCache(B, K, c, capacity=T)
+            raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={self.config.sequence_len})")
         if kv_cache is not None and kv_cache.loops != K:  # fewer would leave later loops' entries unwritten
             raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
         if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):
             raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
-        no_grad_loops = 0 if bptt_loops is None else max(0, K - bptt_loops)
-        done = logp = None
-        if exit_threshold is not None:
-            done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
-            self.exit_loops = torch.full((B, T), K, device=idx.device)
-        if kv_cache is not None:
-            kv_cache.done = done
-        rope = (self.cos[pos:pos + T], self.sin[pos:pos + T])
-        e = self.transformer.wte(idx)
-        x0, hs, norms = norm(e), [], []
-        for t in range(K):
-            h_prev = hs[-1] if hs else None
-            with torch.no_grad() if t < no_grad_loops else nullcontext():
-                x = x0 if t == 0 else restart(c.variant, e, x0, h_prev)
-                caches = [None if kv_cache is None else partial(kv_cache.update, t, i)
-                          for i in range(c.n_layer)]
-                if c.checkpoint_loops and self.training and torch.is_grad_enabled():
-                    # The recomputation gets x and h_prev as saved inputs, so it sees this loop's h(t-1).
-                    x = checkpoint(self._loop, x, h_prev, t, rope, caches, use_reentrant=False)
-                else:
-                    x = self._loop(x, h_prev, t, rope, caches)
-            norms.append(x.detach().float().norm(dim=-1).mean())  # SPEC 5: residual-state norm
-            hs.append(norm(x))
-            if done is not None:
-                done, logp = self._exit(hs, done, logp, exit_threshold)
-                kv_cache.done = done
-                if done.all() and t + 1 < K:  # nobody loops on: later loops' entries are copies
-                    kv_cache.fill(t, T)
-                    hs += hs[-1:] * (K - t - 1)
-                    break
-        if kv_cache is not None:
-            kv_cache.pos += T
-        self.resid_norms = torch.stack(norms)
-        return hs
 
-    def _exit(self, hs, done, logp_prev, threshold):
-        """The exit rule after loop t = len(hs): the positions done before it keep their h; those whose
-        prediction moved less than threshold (KL, nats) since loop t-1 exit at t. Returns the new
-        done mask and the log-probabilities the next check compares against."""
-        logp = F.log_softmax(self.head(hs[-1]), dim=-1)
-        if logp_prev is None:  # loop 1: nothing to compare with yet
-            return done, logp
-        kl = F.kl_div(logp, logp_prev, log_target=True, reduction="none").sum(-1)  # KL(p(t-1) || p(t))
-        exits = ~done & (kl.clamp(min=0) < threshold)  # clamped: threshold 0 never exits on rounding
-        hs[-1] = torch.where(done[..., None], hs[-2], hs[-1])
-        self.exit_loops[exits] = len(hs)
-        return done | exits, logp  # a done position is never checked again
+    @staticmethod
+    def _truncated_backprop(t, K, bptt_loops):
+        """Truncated backpropagation (Huginn): only the last bptt_loops of the K loops build a graph;
+        loop t before them runs under no_grad, so its output enters the window as a constant."""
+        return torch.no_grad() if bptt_loops is not None and t < K - bptt_loops else nullcontext()
 
-    def _loop(self, x, h_prev, t, rope, caches):
-        """One pass through the L blocks: the loop body, shared by all five variants."""
+    def _checkpointed_loop(self, *args):
+        """_loop(*args); with checkpoint_loops in training, in an activation checkpoint: backward recomputes
+        it (memory ~ one loop, not K) from its saved inputs x and h_prev, so with this loop's h(t-1)."""
+        if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
+            return checkpoint(self._loop, *args, use_reentrant=False)
+        return self._loop(*args)
+
+    def _loop(self, x, h_prev, t, rope, kv_cache=None, done=None):
+        """Loop t: the L blocks, each with its injection; the loop body, shared by all five variants.
+        With a KV cache each layer keeps its (loop t, layer) entry (done: KVCache.update)."""
         for i, block in enumerate(self.transformer.h):
             inject = injection(self.config.variant, i) if t > 0 else None
-            # Decoding runs eagerly: its shapes change every step, so a compiled block would recompile.
-            run = block if caches[i] is None else block.forward
-            x = run(x, rope, h_prev, inject, caches[i])
+            if kv_cache is None:
+                x = block(x, rope, h_prev, inject)
+            else:  # decoding runs eagerly: its shapes change every step, so a compiled block would recompile
+                x = block.forward(x, rope, h_prev, inject, partial(kv_cache.update, t, i, done=done))
         return x
-
-    def compile_regions(self, **kwargs):
-        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
-        The blocks share their code, so dynamo builds one graph per kind of layer (injection
-        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
-        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
-        activations alive). Runs with a KV cache stay eager. Returns the model."""
-        for block in self.transformer.h:
-            block.compile(**kwargs)
-        self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
-        return self
 
     def head(self, h):
         logits = self.lm_head(h)[..., :self.config.vocab_size].float()  # padded ids never predicted
@@ -467,17 +330,20 @@ class GPT(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None, bptt_loops=None,
-                exit_threshold=None):
+                exit_threshold=None, return_loops=False):
         """Logits (B, T, V) of the last loop, or the loss if targets are given.
         all_loops=True: a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
-        bptt_loops, exit_threshold: see loop_states."""
-        hs = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
-        if not (all_loops or (targets is not None and self.config.loss_all_loops)):
-            hs = hs[-1:]  # intermediate loops cost no head FLOPs unless asked for
+        return_loops=True: (that output, the pass's Loops), e.g. `loss, looped = model(x, y,
+        return_loops=True)` for looped.resid_norms. bptt_loops, exit_threshold: see loop_states."""
+        looped = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
+        every = all_loops or (targets is not None and self.config.loss_all_loops)
+        hs = looped.states if every else looped.states[-1:]  # other loops cost no head FLOPs unless asked for
         outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
         if all_loops:
-            return torch.stack(outputs) if targets is not None else outputs
-        return torch.stack(outputs).mean() if targets is not None else outputs[-1]
+            out = torch.stack(outputs) if targets is not None else outputs
+        else:
+            out = torch.stack(outputs).mean() if targets is not None else outputs[-1]
+        return (out, looped) if return_loops else out
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
@@ -487,9 +353,7 @@ class GPT(nn.Module):
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
-        rng = None
-        if seed is not None:
-            rng = torch.Generator(device=idx.device).manual_seed(seed)
+        rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
         cache = self.new_kv_cache(idx.size(0), loops)
         logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
         for step in range(max_new_tokens):
@@ -505,41 +369,115 @@ class GPT(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
 
+    def new_kv_cache(self, batch_size, loops=None):
+        return KVCache(batch_size, self.loop_count(loops), self.config)
+
+    def loop_count(self, loops=None):
+        """K for a call: loops, or the config's default when None."""
+        K = self.config.loops if loops is None else loops
+        if not isinstance(K, int) or K < 1:
+            raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
+        return K
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self, loops=None, bptt_loops=None):
+        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
+        The blocks run K times; the LM head once per supervised loop; attention scores cost
+        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
+        backpropagation only the last bptt_loops loops are differentiated: the loops before them
+        run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
+        c, K = self.config, self.loop_count(loops)
+        G = K if bptt_loops is None else min(K, bptt_loops)
+        block = sum(p.numel() for p in self.transformer.h.parameters())
+        head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
+        attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
+        return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
+
+    def compile_regions(self, **kwargs):
+        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
+        The blocks share their code, so dynamo builds one graph per kind of layer (injection
+        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
+        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
+        activations alive). Runs with a KV cache stay eager. Returns the model."""
+        for block in self.transformer.h:
+            block.compile(**kwargs)
+        self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
+        return self
+
 
 # ------------------------------------------------------------------------------------
-# Training over variable loop counts (beyond the paper, which trains at one K; Huginn,
-# Geiping et al. 2025, samples K per step): train.py's loops_sampler.
-LOOP_SAMPLERS = ("fixed", "uniform", "lognormal_poisson")
+# Decoding (SPEC 4) and depth per token: a KV cache per (loop, layer), and the exit rule.
+
+class KVCache:
+    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
+    a different stream. A forward writes its tokens at `pos`; the cache holds `capacity` tokens."""
+
+    def __init__(self, batch_size, loops, config, capacity=None):
+        self.loops, self.n_layer, self.pos = loops, config.n_layer, 0
+        self.capacity = capacity or config.sequence_len
+        self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
+        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
+
+    def slot(self, loop, layer, like):
+        if (loop, layer) not in self.kv:
+            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
+        return self.kv[loop, layer]
+
+    def update(self, loop, layer, k, v, done=None):
+        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far and
+        pos. done (B, T): this forward's positions that stopped looping before `loop` (ExitRule);
+        they keep the previous loop's keys/values, which are their exit loop's (as Huginn's cache)."""
+        k_all, v_all = self.slot(loop, layer, k)
+        end = self.pos + k.size(2)
+        if done is not None and loop > 0:
+            k_prev, v_prev = self.kv[loop - 1, layer]
+            keep = done[:, None, :, None]
+            k = torch.where(keep, k_prev[:, :, self.pos:end], k)
+            v = torch.where(keep, v_prev[:, :, self.pos:end], v)
+        k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
+        return k_all[:, :, :end], v_all[:, :, :end], self.pos
+
+    def fill(self, last, n):
+        """Every position of this forward (n tokens from pos) exited by loop `last`: copy their
+        keys/values into the loops after it, which were not run."""
+        for loop in range(last + 1, self.loops):
+            for layer in range(self.n_layer):
+                prev = self.kv[loop - 1, layer]
+                for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
+                    dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
 
 
-def sample_loops(sampler, step, seed, loops, loops_min=1, loops_max=-1):
-    """K for one optimizer step, drawn from (seed, step) alone with a generator of its own: every
-    rank draws the same K, and a resumed run redraws the K of each step it repeats.
-      fixed              loops
-      uniform            an integer uniform on [loops_min, loops_max]
-      lognormal_poisson  Huginn's: K = 1 + Poisson(r), r ~ LogNormal(mu, 0.5), mu = log(loops - 1)
-                         - 0.5^2 / 2, so E[r] = loops - 1 and E[K] = loops (Huginn sets E[r] to its
-                         mean_recurrence, so its K averages one more). Right-skewed; loops_max > 0
-                         caps it (and lowers the mean a little)."""
-    if sampler == "fixed":
-        return loops
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    if sampler == "uniform":
-        return int(torch.randint(loops_min, loops_max + 1, (), generator=g))
-    sigma = 0.5
-    rate = torch.empty(()).log_normal_(math.log(loops - 1) - sigma**2 / 2, sigma, generator=g)
-    K = 1 + int(torch.poisson(rate, generator=g))
-    return min(K, loops_max) if loops_max > 0 else K
+class ExitRule:
+    """Depth per token (Huginn's KL exit) in one forward over idx (B, T): from loop 2 on, a position stops
+    looping once KL(p(t-1) || p(t)) of its LM-head distributions is below `threshold` (nats). Its h(t)
+    then stays h(exit loop), and its keys/values at later loops are its exit loop's (`done`, for
+    KVCache.update), so later tokens attend to the last state it reached. exit_loops (B, T): the loops
+    each position ran. threshold None: no rule (done and exit_loops None; every loop runs)."""
 
+    def __init__(self, threshold, idx, head, kv_cache):
+        self.threshold, self.head, self.kv_cache, self.logp = threshold, head, kv_cache, None
+        on = threshold is not None  # done: exited yet; exit_loops: K until a position exits
+        self.done = torch.zeros_like(idx, dtype=torch.bool) if on else None
+        self.exit_loops = torch.full(idx.shape, kv_cache.loops, device=idx.device) if on else None
 
-# ------------------------------------------------------------------------------------
-# Accelerators: dense bf16 peak FLOP/s, for MFU and the run planner (train.py --dry_run).
-# (Checkpoint files are checkpoint.py's business.)
-PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
-              ("A100", 312e12), ("L40S", 362e12), ("4090", 165e12), ("A10", 125e12))
-
-
-def peak_flops(name):
-    """Peak FLOP/s of an accelerator by (part of) its name, e.g. torch.cuda.get_device_name(), or
-    None if unknown (a CPU). More specific names come first: "H100 NVL" before "H100"."""
-    return next((flops for key, flops in PEAK_FLOPS if key.lower() in name.lower()), None)
+    def update(self, hs):
+        """After loop t = len(hs): positions that exited before it keep their h; those whose prediction
+        moved less than the threshold since loop t-1 exit at t. True once no position loops on: the
+        later loops' h and keys/values are then copies, filled in here, and the loop can stop."""
+        if self.threshold is None:
+            return False
+        t, K, logp = len(hs), self.kv_cache.loops, F.log_softmax(self.head(hs[-1]), dim=-1)
+        if self.logp is not None:  # loop 1 has nothing to compare with
+            kl = F.kl_div(logp, self.logp, log_target=True, reduction="none").sum(-1)  # KL(p(t-1) || p(t))
+            exits = ~self.done & (kl.clamp(min=0) < self.threshold)  # clamped: 0 never exits on rounding
+            hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])
+            self.exit_loops[exits] = t
+            self.done = self.done | exits  # a done position is never checked again
+        self.logp = logp
+        if t < K and self.done.all():
+            self.kv_cache.fill(t - 1, hs[-1].size(1))
+            hs += hs[-1:] * (K - t)
+            return True
+        return False

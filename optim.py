@@ -4,7 +4,8 @@ inside the blocks; AdamW for the token embedding and the LM head, a lookup table
 classifier rather than maps between hidden states, so orthogonalising their updates
 makes no sense. `build_optimizers(model)` splits the parameters by name into
 [adamw, muon]; the training loop sets `group['lr']` from `group['initial_lr']` (and
-Muon's `group['momentum']` warm-up) every step.
+Muon's `group['momentum']` warm-up) every step. `sample_loops` draws each step's loop
+count K when K varies (train.py's loops_sampler, beyond the paper).
 
 The contract: the optimizers own the gradient reduction (no DDP), with the same calls
 for one process and for torchrun. Every step:
@@ -342,3 +343,29 @@ def muon_momentum(step, warmup_steps, start=0.85, end=0.95):
 def clip_coefficient(total_norm, max_norm):
     """The factor on every gradient: torch.nn.utils.clip_grad_norm_'s rule, min(1, max / (norm + 1e-6))."""
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+# ---------------------------------------------------------------------------- the loop count per step
+# Training over variable loop counts (beyond the paper, which trains at one K; Huginn, Geiping et al.
+# 2025, samples K per step): train.py's loops_sampler.
+LOOP_SAMPLERS = ("fixed", "uniform", "lognormal_poisson")
+
+
+def sample_loops(sampler, step, seed, loops, loops_min=1, loops_max=-1):
+    """K for one optimizer step, drawn from (seed, step) alone with a generator of its own: every
+    rank draws the same K, and a resumed run redraws the K of each step it repeats.
+      fixed              loops
+      uniform            an integer uniform on [loops_min, loops_max]
+      lognormal_poisson  Huginn's: K = 1 + Poisson(r), r ~ LogNormal(mu, 0.5), mu = log(loops - 1)
+                         - 0.5^2 / 2, so E[r] = loops - 1 and E[K] = loops (Huginn sets E[r] to its
+                         mean_recurrence, so its K averages one more). Right-skewed; loops_max > 0
+                         caps it (and lowers the mean a little)."""
+    if sampler == "fixed":
+        return loops
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if sampler == "uniform":
+        return int(torch.randint(loops_min, loops_max + 1, (), generator=g))
+    sigma = 0.5
+    rate = torch.empty(()).log_normal_(math.log(loops - 1) - sigma**2 / 2, sigma, generator=g)
+    K = 1 + int(torch.poisson(rate, generator=g))
+    return min(K, loops_max) if loops_max > 0 else K

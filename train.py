@@ -20,10 +20,12 @@ import corpus
 import data
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, LOOP_SAMPLERS, peak_flops, sample_loops
+from model import GPT, GPTConfig, config_for_depth
+from planning import estimate_memory, peak_flops
 import runtime
 from runtime import print0
-from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients
+from optim import (LOOP_SAMPLERS, build_optimizers, clip_coefficient, lr_multiplier, muon_momentum,
+                   reduce_gradients, sample_loops)
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -150,11 +152,9 @@ def check_settings():
 
 
 def model_config(vocab_size):
-    n_head = math.ceil(64 * depth / 128)
-    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_head if n_kv_head == -1 else n_kv_head, n_embd=64 * depth, loops=loops,
-                     variant=variant, attn=attn, kv_rank=kv_rank, window_pattern=window_pattern,
-                     loss_all_loops=loss_all_loops, checkpoint_loops=checkpoint_loops)
+    return config_for_depth(depth, sequence_len=sequence_len, vocab_size=vocab_size, loops=loops, variant=variant,
+                            attn=attn, kv_rank=kv_rank, window_pattern=window_pattern, loss_all_loops=loss_all_loops,
+                            checkpoint_loops=checkpoint_loops, **({} if n_kv_head == -1 else {"n_kv_head": n_kv_head}))
 
 
 def size_and_horizon(config):
@@ -193,8 +193,8 @@ def plan():
     name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
     flops = model.estimate_flops()
     bf16 = "bf16" if dtype in ("auto", "bf16") else "fp32"
-    gib = {(c, k): model.estimate_memory(device_batch_size, bf16, compiled=c, checkpoint_loops=k,
-                                         world_size=gpus)["total"] / 2**30
+    gib = {(c, k): estimate_memory(model, device_batch_size, bf16, compiled=c, checkpoint_loops=k,
+                                   world_size=gpus)["total"] / 2**30
            for c in (False, True) for k in (False, True)}
     shards = training_shards(tokens) if dataset == "fineweb" else 0
     peak = peak_flops(name)
@@ -423,13 +423,14 @@ while True:
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
         x, y = next(loader)
         with autocast:
-            loss = model(x, y, loops=K, bptt_loops=bptt) / grad_accum
+            loss, looped = model(x, y, loops=K, bptt_loops=bptt, return_loops=True)
+            loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
     # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
     # non-finite), so every rank takes the same decision below. An overflowed stream can still
     # give a finite, useless loss, hence the residual norm.
-    stats = torch.stack([train_loss, model.resid_norms.max().to(train_loss.device)])
+    stats = torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)])
     if ddp:
         dist.all_reduce(stats)
     train_loss, resid = stats[0].item() / world_size, stats[1].item()
@@ -459,7 +460,7 @@ while True:
     dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
     tok_per_s = total_batch_size / dt
     flops_per_token = model.estimate_flops(K, bptt)  # the K actually run, backprop as run
-    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=model.resid_norms.tolist(),
+    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=looped.resid_norms.tolist(),
                   tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
                   if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds

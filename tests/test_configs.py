@@ -4,13 +4,12 @@ import ast
 import inspect
 import subprocess
 import sys
-import math
 import os
 
 import pytest
 
 from configurator import configure, settings_of
-from model import GPTConfig
+from model import config_for_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
@@ -55,11 +54,9 @@ def test_config_dir_is_small():
     ("FLT_res", 6, {"window_pattern": "SSSL"})])
 def test_config_applies_with_any_variant_and_attention(name, variant, loops, attention, monkeypatch):
     s = apply(name, monkeypatch) | dict(variant=variant, loops=loops) | attention
-    n_head = math.ceil(64 * s["depth"] / 128)
-    GPTConfig(sequence_len=s["sequence_len"], vocab_size=151680, n_layer=s["depth"], n_head=n_head,
-              n_kv_head=n_head if s["n_kv_head"] == -1 else s["n_kv_head"], n_embd=64 * s["depth"],
-              loops=s["loops"], variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
-              window_pattern=s["window_pattern"])  # validates the model settings
+    config_for_depth(s["depth"], sequence_len=s["sequence_len"], vocab_size=151680, loops=s["loops"],
+                     variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"], window_pattern=s["window_pattern"],
+                     **({} if s["n_kv_head"] == -1 else {"n_kv_head": s["n_kv_head"]}))  # validates the model settings
     for world_size in (1, 8) if s["dataset"] == "fineweb" else (1,):
         assert s["total_batch_size"] % (s["device_batch_size"] * s["sequence_len"] * world_size) == 0
 

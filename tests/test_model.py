@@ -11,14 +11,13 @@ and many equalities would hold trivially; `randomize_` therefore redraws *every*
 before any equality test, and `test_variants_differ_beyond_first_loop` makes sure the
 variants really are different functions once K > 1.
 """
-import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth, peak_flops
+from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth
 from runtime import precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
@@ -243,6 +242,8 @@ def test_paper_sizes(depth, n_head, millions):
 def test_config_for_depth_rounds_heads_up():
     cfg = config_for_depth(3, loops=4)
     assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.loops) == (192, 2, 3, 4)
+    # train.py's n_kv_head (GQA) overrides the default n_kv_head = n_head
+    assert (config_for_depth(3, n_kv_head=1).n_kv_head, config_for_depth(3).n_kv_head) == (1, 2)
 
 
 # ----------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def test_loop_states_and_head_match_reference(variant):
     model = make_model(variant, "gqa")
     idx = random_tokens(2, 20)
     with torch.no_grad():
-        states = list(model.loop_states(idx, loops=3))
+        states = model.loop_states(idx, loops=3).states
         logits = model(idx, loops=3)
         head = model.head(states[-1])
     _, ref_hs, _ = reference_forward(model, model.config, idx, 3)
@@ -406,10 +407,12 @@ def test_long_input_exit_rule_and_checkpointing():
     model, idx = make_model("FLT", "window"), random_tokens(2, LONG)
     with torch.no_grad():  # the exit rule's own KV cache is as long as the input
         full = model(idx, loops=3)
-        torch.testing.assert_close(model(idx, loops=3, exit_threshold=0.0), full, atol=1e-5, rtol=0)
-        assert (model.exit_loops == 3).all()
-        exit_at_2 = model(idx, loops=3, exit_threshold=1e9)  # every position exits at loop 2
-        assert (model.exit_loops == 2).all()
+        gated, looped = model(idx, loops=3, exit_threshold=0.0, return_loops=True)
+        torch.testing.assert_close(gated, full, atol=1e-5, rtol=0)
+        assert (looped.exit_loops == 3).all()
+        exit_at_2, looped = model(idx, loops=3, exit_threshold=1e9, return_loops=True)  # all exit at loop 2
+        assert (looped.exit_loops == 2).all()
+        assert model(idx, loops=3, return_loops=True)[1].exit_loops is None  # no exit rule, no count
         torch.testing.assert_close(exit_at_2, model(idx, loops=2), atol=1e-5, rtol=0)
     grads = []
     for ckpt in (False, True):
@@ -529,8 +532,10 @@ def test_all_loops_one_pass(variant):
     K = 4
     with torch.no_grad():
         all_logits = model(idx, loops=K, all_loops=True)
-        all_losses = model(idx, targets, loops=K, all_loops=True)
-        norms = model.resid_norms.clone()
+        all_losses, looped = model(idx, targets, loops=K, all_loops=True, return_loops=True)
+        norms = looped.resid_norms
+        assert len(looped.states) == K and looped.exit_loops is None
+        torch.testing.assert_close(model.loop_states(idx, loops=K).resid_norms, norms, atol=0, rtol=0)
         assert isinstance(all_logits, (list, tuple)) and len(all_logits) == K
         assert all_losses.shape == (K,)
         for k in range(1, K + 1):
@@ -543,6 +548,7 @@ def test_all_loops_one_pass(variant):
     ref_norms = torch.stack([s.norm(dim=-1).mean() for s in ref_streams])
     assert norms.shape == (K,) and not norms.requires_grad
     torch.testing.assert_close(norms, ref_norms.float(), atol=1e-4, rtol=1e-5)
+    assert not hasattr(model, "resid_norms") and not hasattr(model, "exit_loops")  # returned, not left behind
 
 
 def test_loss_all_loops_is_mean_over_loops():
@@ -592,7 +598,7 @@ def test_precision_helper_gives_training_and_eval_the_same_function():
     with ctx:  # training usage: train mode, autograd on, forward()
         train_logits = model.train()(idx)
     with torch.no_grad(), ctx:  # eval.py's usage: eval mode, loop_states + head
-        eval_logits = model.eval().head(model.loop_states(idx)[-1])
+        eval_logits = model.eval().head(model.loop_states(idx).states[-1])
     torch.testing.assert_close(train_logits, eval_logits, atol=0, rtol=0)
     diff = (train_logits - fp32).abs()
     assert 0 < diff.max() < 0.1 and diff.mean() < 0.02  # logits span about +-4
@@ -644,56 +650,6 @@ def test_compile_regions_with_checkpointing_same_grads():
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=lambda m: f"{name}: {m}")
     torch._dynamo.reset()
-
-
-# ----------------------------------------------------------------------------------
-# 7d. Memory estimate against a measurement
-
-
-def measured_peak(model, idx, loops, tmp_path):
-    """Peak bytes allocated during one CPU bf16 training step, from the profiler's allocator
-    trace. The gradients exist beforehand (accumulated in place), so the peak is activations."""
-    autocast = precision(model.train(), "cpu", "bf16")
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        with autocast:
-            loss = model(idx, idx, loops=loops)
-        loss.backward()
-    prof.export_chrome_trace(str(tmp_path / "trace.json"))
-    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    return max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
-
-
-@pytest.mark.parametrize("n_embd, n_layer, vocab, loops, ckpt", [
-    (64, 2, 4096, 2, False), (128, 2, 128, 4, False), (128, 2, 4096, 4, True), (128, 3, 1024, 6, True)])
-def test_estimate_memory_matches_measured_activations(n_embd, n_layer, vocab, loops, ckpt, tmp_path):
-    torch.manual_seed(0)
-    cfg = GPTConfig(sequence_len=64, vocab_size=vocab, n_layer=n_layer, n_embd=n_embd, n_head=2, n_kv_head=2,
-                    checkpoint_loops=ckpt)
-    model = GPT(cfg)
-    model.init_weights()
-    peak = measured_peak(model, torch.randint(0, vocab, (2, 64)), loops, tmp_path)
-    estimate = model.estimate_memory(2, "bf16", loops=loops, device_type="cpu")["activations"]
-    assert estimate == pytest.approx(peak, rel=0.15)
-
-
-def test_estimate_memory_states_and_scale():
-    with torch.device("meta"):
-        model = GPT(config_for_depth(12, vocab_size=151644))  # base: d 768, V 151680
-    emb, blocks = 151680 * 768, 12 * 12 * 768**2
-    m = model.estimate_memory(8, "bf16", loops=12, world_size=8)
-    assert m["parameters"] == m["gradients"] == 2 * emb + 4 * (emb + blocks)  # wte in bf16
-    # AdamW: 2 slots (wte's in bf16) over 8 ranks; Muon: rank 0 owns matrices 0, 8, 16, ...
-    per_layer = [768**2] * 4 + [4 * 768**2] * 2  # c_q c_k c_v c_proj, c_fc c_proj
-    muon = 4 * sum((per_layer * 12)[::8])
-    assert m["optimizer"] == 2 * emb // 8 * 2 + 2 * emb // 8 * 4 + muon
-    assert sum(v for k, v in m.items() if k != "total") == m["total"]
-    gib = {(c, k): model.estimate_memory(8, loops=12, compiled=c, checkpoint_loops=k)["total"] / 2**30
-           for c in (False, True) for k in (False, True)}
-    # the issue's scale: eager ~77 GiB and compiled ~50 GiB by a CPU-based estimate
-    assert 50 < gib[False, False] < 80 and 25 < gib[True, False] < 50
-    assert gib[False, True] < 0.4 * gib[False, False] and gib[True, True] < gib[True, False]
 
 
 # ----------------------------------------------------------------------------------
@@ -803,12 +759,8 @@ def test_training_forward_traces_without_graph_breaks(variant, attention, ckpt):
     # same on CPU, so a graph break introduced in model.py shows up here.
     model = make_model(variant, attention, checkpoint_loops=ckpt).train()
     idx = random_tokens(2, 16)
-    explained = torch._dynamo.explain(model)(idx, idx, loops=3)
-    torch._dynamo.reset()
-    assert explained.graph_break_count == 0, explained.break_reasons
+    for kw in ({}, dict(bptt_loops=2, return_loops=True)):  # the second: train.py's call
+        explained = torch._dynamo.explain(model)(idx, idx, loops=3, **kw)
+        torch._dynamo.reset()
+        assert explained.graph_break_count == 0, (kw, explained.break_reasons)
 
-
-def test_peak_flops_by_name():
-    assert peak_flops("NVIDIA H100 NVL") == 835e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA A10") == 125e12
-    assert peak_flops("cpu") is None

@@ -166,10 +166,10 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data_dir):
         forward, calls = model.GPT.forward, [0]
         def poisoned(self, idx, targets=None, **kw):
             out = forward(self, idx, targets, **kw)
-            if targets is not None and self.training:
+            if targets is not None and self.training:  # train.py's forward: (loss, Loops)
                 calls[0] += 1
                 if calls[0] == 7:  # the 7th training forward = step 6
-                    out = out * float("nan")
+                    out = (out[0] * float("nan"), out[1])
             return out
         model.GPT.forward = poisoned
     """)
@@ -249,7 +249,8 @@ def test_loss_far_above_its_minimum_for_a_window_stops_the_run(tmp_path, data_di
         def worse(self, idx, targets=None, **kw):
             out = forward(self, idx, targets, **kw)
             worse.calls += targets is not None and self.training
-            return out + 5.0 * (worse.calls > 6) if targets is not None and self.training else out
+            # train.py's forward returns (loss, Loops)
+            return (out[0] + 5.0 * (worse.calls > 6), out[1]) if targets is not None and self.training else out
         worse.calls = 0
         model.GPT.forward = worse
     """)

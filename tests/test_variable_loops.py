@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, norm, restart, sample_loops
+from model import GPT, norm, restart
+from optim import sample_loops
 from test_model import ATTENTION, VARIANTS, make_config, make_model, random_tokens
 from test_train import RUNNER, losses, train
 
@@ -56,11 +57,11 @@ def test_truncated_backprop_equals_detaching_the_early_loops(variant):
         model.zero_grad()
         if how == "by_hand":
             e = model.transformer.wte(idx)
-            x0, T, L = norm(e), idx.size(1), model.config.n_layer
+            x0, T = norm(e), idx.size(1)
             rope = (model.cos[:T].double(), model.sin[:T].double())
-            h = model.loop_states(idx, loops=3)[-1].detach()
+            h = model.loop_states(idx, loops=3).states[-1].detach()
             for t in (3, 4):
-                h = norm(model._loop(restart(variant, e, x0, h), h, t, rope, [None] * L))
+                h = norm(model._loop(restart(variant, e, x0, h), h, t, rope))
             loss = model.loss(h, y)
         else:
             loss = model(idx, y, loops=5, bptt_loops=2 if how == "bptt" else None)
@@ -118,8 +119,8 @@ def test_threshold_zero_is_fixed_k(variant):
     idx = random_tokens(2, 20)
     with torch.no_grad():
         fixed = model(idx, loops=4, all_loops=True)
-        gated = model(idx, loops=4, all_loops=True, exit_threshold=0.0)
-    assert (model.exit_loops == 4).all()
+        gated, looped = model(idx, loops=4, all_loops=True, exit_threshold=0.0, return_loops=True)
+    assert (looped.exit_loops == 4).all()
     for a, b in zip(fixed, gated):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
@@ -132,15 +133,14 @@ def test_cached_decoding_equals_recompute_under_the_exit_rule(variant, attention
     idx = random_tokens(B, T)
     threshold = exit_threshold(model, idx, K)
     with torch.no_grad():
-        full = model(idx, loops=K, exit_threshold=threshold)
-        used = model.exit_loops
+        full, looped = model(idx, loops=K, exit_threshold=threshold, return_loops=True)
+        used = looped.exit_loops
         assert (used < K).any() and (used == K).any()  # the rule really acts, both ways
         kv = model.new_kv_cache(B, K)
-        steps = [model(idx[:, :prefix], loops=K, kv_cache=kv, exit_threshold=threshold)]
-        cached_used = [model.exit_loops]
+        steps = [model(idx[:, :prefix], loops=K, kv_cache=kv, exit_threshold=threshold, return_loops=True)]
         for n in range(prefix, T):
-            steps.append(model(idx[:, n:n + 1], loops=K, kv_cache=kv, exit_threshold=threshold))
-            cached_used.append(model.exit_loops)
+            steps.append(model(idx[:, n:n + 1], loops=K, kv_cache=kv, exit_threshold=threshold, return_loops=True))
+        steps, cached_used = zip(*((logits, looped.exit_loops) for logits, looped in steps))
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-9)
     assert torch.equal(torch.cat(cached_used, 1), used)
     # the cache holds the definition: after its exit loop a position's keys/values are its exit loop's
