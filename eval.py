@@ -78,6 +78,7 @@ import data
 from configurator import configure, settings_of
 from checkpoint import load_model
 from model import ROPE_SPAN
+import report
 import runtime
 from runtime import print0
 
@@ -106,8 +107,6 @@ exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats
 
 MODES = ("bpb", "wiki", "core", "sample", "exit")
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
-TABLE_TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
-               "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
 SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,")
 BYTE_COUNTS = ("authors", "utf8")  # val_bpb (compared with the paper), val_bpb_utf8
 
@@ -442,7 +441,7 @@ def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=
     return results
 
 
-# ----------------------------------------------------------------------------- samples and the table
+# ----------------------------------------------------------------------------- samples
 def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=None, progress=None):
     """{K: [prompt + continuation for each of SAMPLE_PROMPTS]}."""
     texts = {K: [] for K in loops_list}
@@ -453,22 +452,6 @@ def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=N
             if progress:
                 progress()
     return texts
-
-
-def table(results):
-    """Markdown in the layout of the paper's Table 1; CORE and accuracies in percent."""
-    cols = ["K", "Wiki2 ppl", "val bpb", "CORE", *TABLE_TASKS, "Avg"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-
-    def fmt(value, digits, scale=1):
-        return "" if value is None else f"{value * scale:.{digits}f}"
-    for K, r in results.items():
-        accs = [r.get("tasks", {}).get(label, {}).get("accuracy") for label in TABLE_TASKS.values()]
-        avg = None if None in accs else statistics.mean(accs)
-        cells = [str(K), fmt(r.get("wiki_ppl"), 2), fmt(r.get("val_bpb"), 3), fmt(r.get("CORE"), 2, 100),
-                 *(fmt(a, 2, 100) for a in accs), fmt(avg, 2, 100)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
 
 
 def write_results(json_path, record, md):
@@ -689,8 +672,8 @@ def main(argv):
         if rank == 0:
             write_results(json_path, {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
                                       "measured": measured, "results": {str(K): r for K, r in results.items()}},
-                          table(results))
-    print0("\n" + table(results) + (f"written to {json_path}" if measured else "nothing computed"))
+                          report.table(results))
+    print0("\n" + report.table(results) + (f"written to {json_path}" if measured else "nothing computed"))
     runtime.finish(rt)  # rank 0 was writing
     if failed:
         print0(f"eval.py: {len(failed)} of {len(run_modes)} modes could not run: {', '.join(failed)} (why: above). "

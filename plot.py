@@ -19,25 +19,9 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
-# eval.py's TABLE_TASKS (not imported: eval.py needs torch): Table 1's column -> CORE task label.
-TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
-         "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
-# Table 1's columns: (header, metric, scale, decimals); CORE and accuracies in percent, as in the paper.
-COLUMNS = [("Wiki2 ppl", "wiki_ppl", 1, 2), ("val bpb", "val_bpb", 1, 3), ("CORE", "CORE", 100, 2),
-           *((header, label, 100, 2) for header, label in TASKS.items()), ("Avg", "avg", 100, 2)]
-# The paper's Table 1 (SPEC 9) by (depth, variant, trained K), in eval.json's units (CORE and Avg as
-# fractions); the per-task columns are not in SPEC 9. None: training collapsed.
-PAPER = {(12, "LT", 3): dict(wiki_ppl=43.12, val_bpb=0.905, CORE=0.1613, avg=0.4052),
-         (12, "LT", 6): dict(wiki_ppl=51.38, val_bpb=0.947, CORE=0.1143, avg=0.3656),
-         (12, "LT", 9): None,
-         (12, "LT_i", 6): dict(wiki_ppl=39.58, val_bpb=0.900, CORE=0.1530, avg=0.4020),
-         (12, "FLT", 3): dict(wiki_ppl=40.47, val_bpb=0.898, CORE=0.1537, avg=0.3990),
-         (12, "FLT", 6): dict(wiki_ppl=39.51, val_bpb=0.892, CORE=0.1560, avg=0.4138),
-         (12, "FLT", 9): dict(wiki_ppl=38.44, val_bpb=0.892, CORE=0.1616, avg=0.4172),
-         (6, "LT", 9): dict(wiki_ppl=78.79, val_bpb=1.115), (6, "FLT", 9): dict(wiki_ppl=63.29, val_bpb=1.040)}
+import report
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -116,15 +100,6 @@ def read_eval(path):
         raise FileNotFoundError(f"{path}: no eval.json; run eval.py on the run's checkpoint first")
     with open(path) as f:
         return {int(K): r for K, r in sorted(json.load(f)["results"].items(), key=lambda kv: int(kv[0]))}
-
-
-def metric(r, name):
-    """One number of eval.py's results at one K: val_bpb, wiki_ppl, CORE, a task label's raw accuracy,
-    or avg, the mean accuracy of Table 1's six tasks; None where it is missing."""
-    if name == "avg":
-        accs = [metric(r, label) for label in TASKS.values()]
-        return None if None in accs else statistics.mean(accs)
-    return r.get(name, r.get("tasks", {}).get(name, {}).get("accuracy"))
 
 
 def ema(values, beta=0.9):
@@ -219,7 +194,7 @@ def sweep(evals, labels, name):
     """Fig. 6: a metric against the loop count K at evaluation, one line per run, in training-K order."""
     runs = sorted(((run_settings(path).get("loops", math.inf), label, read_eval(path))
                    for path, label in zip(evals, labels)), key=lambda run: run[0])
-    points = [{K: v for K, r in results.items() if (v := metric(r, name)) is not None} for _, _, results in runs]
+    points = [{K: v for K, r in results.items() if (v := report.metric(r, name)) is not None} for _, _, results in runs]
     if not any(points):
         found = sorted({k for *_, results in runs for r in results.values()
                         for k in [*(k for k, v in r.items() if isinstance(v, (int, float))), *r.get("tasks", {})]})
@@ -254,30 +229,24 @@ def exit_curves(evals, labels):
 
 # ----------------------------------------------------------------------------- Table 1
 def table(evals, labels, paper=False):
-    """Markdown in the paper's Table 1 layout, one row per run at its training K (every evaluated K
-    if the run has no settings.json). "-" for a missing value and for every value of a collapsed run:
-    its log marks it diverged, or a value at that K is not finite. paper: the paper's row below each
-    run it reports."""
-    rows = [["model", "depth", "K", *(header for header, *_ in COLUMNS)]]
+    """Markdown in the paper's Table 1 layout (report.py), one row per run at its training K (every
+    evaluated K if the run has no settings.json). "-" for a missing value and for every value of a
+    collapsed run: its log marks it diverged, or a value at that K is not finite. paper: the paper's
+    row below each run it reports."""
+    rows, none = [], [None] * len(report.COLUMNS)
     for path, label in zip(evals, labels):
         settings, collapsed = run_settings(path), diverged(path)
         results = {} if collapsed else read_eval(path)
         for K in [settings["loops"]] if "loops" in settings else list(results) or ["-"]:
-            values = [metric(results.get(K, {}), key) for _, key, *_ in COLUMNS]
+            values = report.values(results.get(K, {}))
             bad = any(v is not None and not math.isfinite(v) for v in values)
-            rows.append([label or run_name(path), settings.get("depth", "-"), K, *cells(values, collapsed or bad)])
+            rows.append([label or run_name(path), settings.get("depth", "-"), K,
+                         *report.cells(none if collapsed or bad else values)])
             key = (settings.get("depth"), model_name(settings), K) if settings else None
-            if paper and key in PAPER:
-                theirs = PAPER[key] or {}
-                rows.append(["paper", key[0], K, *cells([theirs.get(k) for _, k, *_ in COLUMNS], not theirs)])
-    return "".join("| " + " | ".join(map(str, row)) + " |\n" + ("|---" * len(row) + "|\n" if i == 0 else "")
-                   for i, row in enumerate(rows))
-
-
-def cells(values, collapsed):
-    """Table 1's cells for the values of COLUMNS' metrics."""
-    return ["-" if collapsed or v is None else f"{v * scale:.{digits}f}"
-            for v, (_, _, scale, digits) in zip(values, COLUMNS)]
+            if paper and key in report.PAPER:
+                theirs = report.PAPER[key] or {}  # None: collapsed, every cell "-"
+                rows.append(["paper", key[0], K, *report.cells([theirs.get(k) for _, k, *_ in report.COLUMNS])])
+    return report.markdown(["model", "depth", "K"], rows)
 
 
 def save(fig, out):

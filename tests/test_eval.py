@@ -1,5 +1,5 @@
 """Tests for eval.py: CORE prompts and scoring, bits per byte, WikiText perplexity, the budget
-sweep, the bundle's errors, the table, and CLI runs end to end.
+sweep, the bundle's errors, and CLI runs end to end.
 
 Scores are checked against models whose answers are known: `Oracle` puts all its probability
 on the next token of sequences it was told, `Uniform` on nothing (loss ln V everywhere), and a
@@ -31,6 +31,7 @@ import tokenizers
 import corpus
 import data
 import eval as ev
+import report
 import checkpoint
 from model import GPT, GPTConfig, Loops
 
@@ -674,19 +675,7 @@ def test_missing_checkpoint_and_bad_settings(tmp_path):
         ev.main([str(tmp_path), "--loops=1,0"])
 
 
-# ----------------------------------------------------------------------------- table and CLI
-
-
-def test_table_layout_and_missing_columns():
-    results = {3: {"wiki_ppl": 40.4712, "val_bpb": 0.89812, "CORE": 0.1537,
-                   "tasks": {label: {"accuracy": a} for label, a in zip(ev.TABLE_TASKS.values(),
-                                                                         [0.4, 0.6, 0.3, 0.2, 0.5, 0.25])}},
-               9: {"val_bpb": 0.892, "tasks": {"piqa": {"accuracy": 0.7}}}}
-    assert ev.table(results) == (
-        "| K | Wiki2 ppl | val bpb | CORE | LMB | PIQA | Hella | OPQA | ARC-E | ARC-C | Avg |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
-        "| 3 | 40.47 | 0.898 | 15.37 | 40.00 | 60.00 | 30.00 | 20.00 | 50.00 | 25.00 | 37.50 |\n"
-        "| 9 |  | 0.892 |  |  | 70.00 |  |  |  |  |  |\n")
+# ----------------------------------------------------------------------------- the CLI
 
 
 def save_checkpoint(tmp_path, **settings):
@@ -719,7 +708,7 @@ def test_cli_end_to_end(tmp_path):
         assert r["wiki_ppl"] == pytest.approx(ppl[K]) and r["CORE"] == pytest.approx(core[K]["CORE"])
         assert r["val_bpb"] > 0 and len(r["samples"]) == len(ev.SAMPLE_PROMPTS)
         assert r["samples"][0].startswith(ev.SAMPLE_PROMPTS[0])
-    assert (step / "eval.md").read_text() == saved["table"] == ev.table(results)
+    assert (step / "eval.md").read_text() == saved["table"] == report.table(results)
     assert not (tmp_path / "nodata").exists()  # every input was local
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 
 import plot
+import report
 
 
 def write_log(path, losses, resumed_from=None, extra=None):
@@ -43,7 +44,7 @@ def write_eval(path, ks, acc=lambda K: 0.5, bpb=lambda K: 1.0):
     """eval.py's JSON at path with results at every K in ks; the six tasks have accuracies acc(K) + 0.01 * i."""
     results = {str(K): {"val_bpb": bpb(K), "wiki_ppl": 2 ** bpb(K), "CORE": 0.1 * K,
                         "tasks": {label: {"accuracy": acc(K) + 0.01 * i, "centered": 0.0}
-                                  for i, label in enumerate(plot.TASKS.values())}} for K in ks}
+                                  for i, label in enumerate(report.TASKS.values())}} for K in ks}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"checkpoint": str(path.parent), "step": 10, "settings": {}, "results": results,
                                 "table": ""}))
@@ -88,8 +89,8 @@ def test_read_eval_finds_the_newest_step(tmp_path):
     for path in (tmp_path / "run", newest.parent, newest):  # a run, a step directory, the file
         results = plot.read_eval(str(path))
         assert list(results) == [1, 3, 12]  # by K
-        assert plot.metric(results[3], "piqa") == pytest.approx(0.41)  # a task's raw accuracy
-        assert plot.metric(results[3], "avg") == pytest.approx(0.4 + 0.01 * (0 + 1 + 2 + 3 + 4 + 5) / 6)
+        assert report.metric(results[3], "piqa") == pytest.approx(0.41)  # a task's raw accuracy
+        assert report.metric(results[3], "avg") == pytest.approx(0.4 + 0.01 * (0 + 1 + 2 + 3 + 4 + 5) / 6)
     with pytest.raises(FileNotFoundError, match="step_000020.*eval.py"):
         plot.read_eval(str(tmp_path / "run" / "step_000020"))
 
@@ -220,15 +221,44 @@ def test_table(tmp_path, capsys):
     assert rows[("bare", "3")] == ["-"] * 10  # an infinite value: collapsed
     assert len(rows) == 3
     rows = table_rows(plot.main(["table", str(flt), "--paper", "--labels", "ours"]))
-    assert list(rows) == [("ours", "9"), ("paper", "9")]  # the paper's FLT at K=9, depth 12
-    assert rows[("paper", "9")] == ["38.44", "0.892", "16.16", "-", "-", "-", "-", "-", "-", "41.72"]
+    assert list(rows) == [("ours", "9"), ("paper", "9")]  # the paper's row below the run it reports
 
 
-def test_table_paper_row_for_a_collapsed_paper_run(tmp_path):
-    lt = write_run(tmp_path, "lt", [1.0], variant="LT", loops=9)
-    write_eval(lt / "step_000010" / "eval.json", [9])
-    md = plot.main(["table", str(lt), "--paper"])
-    assert md.splitlines()[-1] == "| paper | 12 | 9 |" + " - |" * 10  # the paper's LT at K=9 collapsed
+# The paper's Table 1 as SPEC 9 prints it: model | K | Wiki2 ppl | val bpb | CORE | Avg of 6 (base size,
+# depth 12), then the small size (depth 6) at K=9, which reports ppl and bpb only.
+SPEC_9 = """
+| LT  | 3 | 43.12 | 0.905 | 16.13 | 40.52 |
+| LT  | 6 | 51.38 | 0.947 | 11.43 | 36.56 |
+| LT  | 9 | collapsed | | | |
+| LT_i | 6 | 39.58 | 0.900 | 15.30 | 40.20 |
+| FLT | 3 | 40.47 | 0.898 | 15.37 | 39.90 |
+| FLT | 6 | 39.51 | 0.892 | 15.60 | 41.38 |
+| FLT | 9 | 38.44 | 0.892 | 16.16 | 41.72 |
+"""
+SPEC_9_SMALL = {"LT": ("78.79", "1.115"), "FLT": ("63.29", "1.040")}
+
+
+def test_table_paper_rows_are_spec_9(tmp_path):
+    """--paper puts the paper's numbers under every run of a configuration Table 1 reports, in its
+    columns (the six tasks are not in SPEC 9: "-"), and every cell "-" where training collapsed."""
+    expected = {}
+    for line in SPEC_9.strip().splitlines():
+        variant, K, *numbers = [c.strip() for c in line.strip("|").split("|")]
+        ppl, bpb, core, avg = numbers if numbers[0] != "collapsed" else ["-"] * 4
+        expected[(12, variant, K)] = [ppl, bpb, core, *["-"] * 6, avg]
+    for variant, (ppl, bpb) in SPEC_9_SMALL.items():
+        expected[(6, variant, "9")] = [ppl, bpb, *["-"] * 8]
+    runs = []
+    for depth, variant, K in expected:
+        run = write_run(tmp_path, f"{variant}_d{depth}_k{K}", [1.0], variant=variant, loops=int(K), depth=depth)
+        write_eval(run / "step_000010" / "eval.json", [int(K)])
+        runs.append(str(run))
+    runs.append(str(write_run(tmp_path, "flt_k12", [1.0], loops=12)))  # not in Table 1: no paper row
+    write_eval(tmp_path / "flt_k12" / "step_000010" / "eval.json", [12])
+    md = plot.main(["table", *runs, "--paper"])
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()]
+    paper = {(int(row[1]), ours[0], row[2]): row[3:] for ours, row in zip(lines[2:], lines[3:]) if row[0] == "paper"}
+    assert paper == expected
 
 
 def test_labels_must_match_inputs(tmp_path):
