@@ -127,6 +127,12 @@ def device_of(model):
 
 
 # ----------------------------------------------------------------------------- the budget sweep
+def token_losses(logits, targets):
+    """Cross-entropy of each target (B, T); 0 for targets of -1."""
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+    return loss.view_as(targets)
+
+
 @torch.no_grad()
 def loop_losses(model, idx, targets, loops_list):
     """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
@@ -135,20 +141,25 @@ def loop_losses(model, idx, targets, loops_list):
     result = {}
     for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
         logits = model.head(hs[K - 1])
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
-        result[K] = (loss.view_as(targets), logits.argmax(dim=-1))
+        result[K] = (token_losses(logits, targets), logits.argmax(dim=-1))
     return result
 
 
-def loss_sums(model, batches, loops_list, weights, progress=None):
-    """For each of `weights` (functions of the targets y): the per-K sums of token losses over the
-    targets with weight > 0, then the sum of the weights; over all batches and ranks."""
-    sums = torch.zeros(len(weights), len(loops_list) + 1, dtype=torch.float64, device=device_of(model))
+def sweep(model, loops_list):
+    """loss_sums' per-token values of the budget sweep: each K's token losses, from one forward."""
+    return lambda x, y: [loss for loss, _ in loop_losses(model, x, y, loops_list).values()]
+
+
+def loss_sums(model, batches, per_token, width, weights, progress=None):
+    """For each of `weights` (functions of the targets y): the sums of the `width` per-token values
+    per_token(x, y) returns ((B, T) tensors, e.g. sweep's) over the targets with weight > 0, then the
+    sum of the weights; over all batches and ranks."""
+    sums = torch.zeros(len(weights), width + 1, dtype=torch.float64, device=device_of(model))
     for x, y in batches:
         x, y = x.to(sums.device), y.to(sums.device)
-        losses = loop_losses(model, x, y, loops_list)
+        values = per_token(x, y)
         for i, w in enumerate(weight(y) for weight in weights):
-            sums[i] += torch.stack([losses[K][0][w > 0].sum() for K in loops_list] + [w.sum()]).double()
+            sums[i] += torch.stack([v[w > 0].sum() for v in values] + [w.sum()]).double()
         if progress:
             progress()
     all_reduce_sum(sums)
@@ -165,7 +176,8 @@ def evaluate_bpb(model, batches, tables, loops_list, progress=None):
     each byte table of `tables` ({count name: (vocab,) bytes of each id, 0 for special tokens}).
     Sums are all-reduced: under torchrun each rank passes its own share of the batches."""
     weights = [lambda y, t=t: byte_counts(t, y) for t in tables.values()] + [lambda y: (y >= 0).long()]
-    *per_count, (*_, n_tokens) = loss_sums(model, batches, loops_list, weights, progress)
+    *per_count, (*_, n_tokens) = loss_sums(model, batches, sweep(model, loops_list), len(loops_list), weights,
+                                           progress)
     if any(s[-1] == 0 for s in per_count):
         raise ValueError("evaluate_bpb: the batches hold no target tokens with a byte count > 0")
     return {name: {K: nats / (math.log(2) * s[-1]) for K, nats in zip(loops_list, s)}
@@ -176,25 +188,20 @@ def evaluate_bpb(model, batches, tables, loops_list, progress=None):
 def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None):
     """[{threshold, val_bpb, mean_loops}]: bpb as evaluate_bpb's, and the mean loops per scored
     token, with the KL exit rule at each threshold and at most `loops` loops."""
-    sums = torch.zeros(2 * len(thresholds) + 2, dtype=torch.float64, device=device_of(model))
-    for x, y in batches:
-        x, y = x.to(sums.device), y.to(sums.device)
-        n_bytes = byte_counts(token_bytes, y)
-        scored = n_bytes > 0
-        for i, threshold in enumerate(thresholds):
+    def per_token(x, y):  # each threshold's token losses and loops run, one forward each
+        values = []
+        for threshold in thresholds:
             logits, looped = model(x, loops=loops, exit_threshold=threshold, return_loops=True)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-            sums[2 * i:2 * i + 2] += torch.stack([loss.view_as(y)[scored].sum(),
-                                                  looped.exit_loops[scored].sum()]).double()
+            values += [token_losses(logits, y), looped.exit_loops]
             if progress:
                 progress()
-        sums[-2:] += torch.stack([n_bytes.sum(), scored.sum()]).double()
-    all_reduce_sum(sums)
-    (n_bytes, n_tokens), s = sums[-2:].tolist(), sums[:-2].view(-1, 2).tolist()
+        return values
+    weights = [lambda y: byte_counts(token_bytes, y), lambda y: (byte_counts(token_bytes, y) > 0).long()]
+    (*sums, n_bytes), (*_, n_tokens) = loss_sums(model, batches, per_token, 2 * len(thresholds), weights)
     if n_bytes == 0:
         raise ValueError("evaluate_exit: the batches hold no target tokens with a byte count > 0")
     return [{"threshold": t, "val_bpb": nats / (math.log(2) * n_bytes), "mean_loops": used / n_tokens}
-            for t, (nats, used) in zip(thresholds, s)]
+            for t, nats, used in zip(thresholds, sums[::2], sums[1::2])]
 
 
 # ----------------------------------------------------------------------------- which tokens are scored
@@ -256,7 +263,7 @@ def evaluate_ppl(model, windows, loops_list, batch_size, progress=None):
     rank, world = rank_world()
     mine = torch.tensor(windows[rank::world], dtype=torch.long).view(-1, len(windows[0]))
     batches = ((w[:, :-1], w[:, 1:]) for w in mine.split(batch_size))
-    [sums] = loss_sums(model, batches, loops_list, [torch.ones_like], progress)
+    [sums] = loss_sums(model, batches, sweep(model, loops_list), len(loops_list), [torch.ones_like], progress)
     return {K: math.exp(s / sums[-1]) for K, s in zip(loops_list, sums)}
 
 
