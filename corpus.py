@@ -11,6 +11,7 @@ manifest.json beside complete shards records their sizes and rows, checked whene
 """
 import argparse
 import contextlib
+import csv
 import fcntl
 import functools
 import importlib
@@ -35,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 from urllib3.exceptions import NameResolutionError
+import yaml
 
 from runtime import atomic_write
 
@@ -360,7 +362,8 @@ def embedded_corpus(data_dir):
         return paths
 
 
-# ---- The evaluation inputs: the run's validation shard, WikiText-2, the DCLM CORE bundle
+# ---- The evaluation inputs: the run's validation shard, WikiText-2, the DCLM CORE bundle; fetched,
+# then read and checked (every file and task type before any model time is spent)
 def val_shard(settings, data_dir, base_url=DEFAULT_BASE_URL):
     """The validation shard the checkpoint's training run held out (train.py's layout): the embedded
     corpus's last shard, or FineWeb-Edu's shard_00249 (settings: the run's saved settings)."""
@@ -390,6 +393,67 @@ def fetch_bundle(bundle_dir, url):
         os.replace(inner, bundle_dir)
     os.remove(zip_path)
     return bundle_dir
+
+
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")  # the CORE tasks eval.py scores
+
+
+def load_rows(path):
+    """WikiText rows: a parquet file's `text` column, or the lines of wiki.test.tokens with blank
+    lines as "" (how the Hugging Face parquet was built from that file)."""
+    if path.endswith(".parquet"):
+        names = pq.read_schema(path).names
+        if "text" not in names:
+            raise ValueError(f"{path}: no 'text' column (columns: {names})")
+        return pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    with open(path, encoding="utf-8") as f:
+        return [line if line.strip() else "" for line in f]
+
+
+def load_bundle(bundle_dir):
+    """The tasks of core.yaml, each {label, type, fewshot, delimiter, path, baseline (percent)}.
+    Every file and task type is checked here, before any model time is spent."""
+    yaml_path, meta_path = (os.path.join(bundle_dir, f) for f in ("core.yaml", "eval_meta_data.csv"))
+    with open(yaml_path) as f:
+        entries = (yaml.safe_load(f) or {}).get("icl_tasks")
+    if not entries:
+        raise ValueError(f"{yaml_path}: expected a non-empty 'icl_tasks' list")
+    with open(meta_path, newline="") as f:
+        rows = csv.DictReader(f)
+        if not {"Eval Task", "Random baseline"} <= set(rows.fieldnames or ()):
+            raise ValueError(f"{meta_path}: expected columns 'Eval Task' and 'Random baseline'")
+        baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
+    tasks = []
+    for entry in entries:
+        missing = {"label", "dataset_uri", "num_fewshot", "icl_task_type"} - set(entry)
+        if missing:
+            raise ValueError(f"{yaml_path}: task entry {entry} lacks {sorted(missing)}")
+        label = entry["label"]
+        if entry["icl_task_type"] not in TASK_TYPES:
+            raise ValueError(f"{yaml_path}: task {label!r} has icl_task_type {entry['icl_task_type']!r}; "
+                             f"expected one of {TASK_TYPES}")
+        path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{yaml_path}: task {label!r}: missing data file {path}")
+        if label not in baselines:
+            raise ValueError(f"{meta_path}: no 'Random baseline' row for task {label!r}")
+        tasks.append(dict(label=label, type=entry["icl_task_type"], fewshot=entry["num_fewshot"][0],
+                          delimiter=entry.get("continuation_delimiter", " "), path=path,
+                          baseline=baselines[label]))
+    return tasks
+
+
+def load_items(task, max_per_task):
+    """The task's items, shuffled with seed 1337, then cut to max_per_task if > 0 (nanochat)."""
+    with open(task["path"], encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    random.Random(1337).shuffle(items)
+    if max_per_task > 0:
+        items = items[:max_per_task]
+    if task["fewshot"] >= len(items):
+        raise ValueError(f"task {task['label']!r}: {task['fewshot']}-shot needs more than {len(items)} items "
+                         f"(max_per_task={max_per_task})")
+    return items
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ ships with, and a BPE trained on it. Both are parquet shards with a `text` colum
 held out for validation; corpus.py downloads or builds them (`python corpus.py --download 249`,
 `python corpus.py --embedded`). Packing and byte counts follow the paper authors' code
 (nanochat/dataloader.py, get_token_bytes): each document is [bos] + its tokens, one stream per
-rank, cut into chunks of B*T+1 tokens that never overlap.
+rank, cut into chunks of B*T+1 tokens that never overlap. The evaluation's tokens are cut the same
+way (protocol_chunks: the validation chunks of the authors' eval.sh layout; wiki_windows: their
+WikiText loader); eval.py scores them.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 
 import tokenizers
 import torch
@@ -247,3 +250,44 @@ class DataLoader:
         xy[0, :len(chunk) - 1], xy[1, :len(chunk) - 1] = chunk[:-1], chunk[1:]
         x, y = xy.view(2, self.B, self.T).to(self.device, non_blocking=cuda)
         return x, y
+
+
+# ---- The evaluation's tokens, cut as the authors' loaders cut them (eval.py scores them)
+def protocol_chunks(files, tokenizer, seq_len, n_tokens, ranks, batch, rank=0, world=1):
+    """(this process's share of the chunks, chunks requested): the validation chunks an evaluation
+    on `ranks` processes at device batch `batch` scores, as the authors' loader cuts them. Simulated
+    rank r streams its own row groups (DataLoader), cut into (x, y) chunks of batch * seq_len
+    + 1 tokens, and scores the first n_tokens // (ranks * batch * seq_len) of them, or all of them
+    if its row groups end sooner (never a second pass). The ranks' chunks, in order, are shared among
+    the `world` processes in contiguous runs: any split gives the same sums."""
+    steps = max(1, n_tokens // (ranks * batch * seq_len))
+    per = -(-ranks * steps // world)
+    first, last = rank * per, min(ranks * steps, (rank + 1) * per)  # this process's chunks [first, last)
+    chunks = []
+    for r in range(first // steps, -(-last // steps)) if first < last else ():
+        stream = DataLoader(files, tokenizer, batch, seq_len, r, ranks, cycle=False)
+        lo, hi = max(first - r * steps, 0), min(last - r * steps, steps)
+        chunks += list(islice(stream, lo, hi))
+    return chunks, ranks * steps
+
+
+def rows(chunks, batch_size):
+    """The (x, y) rows of chunks, regrouped into batches of batch_size rows: the loss of a row does
+    not depend on the rows beside it."""
+    if not chunks:
+        return []
+    x, y = (torch.cat(t) for t in zip(*chunks))
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+def wiki_windows(tokenizer, rows, seq_len, batch):
+    """The authors' WikiText windows: BOS + tokens of every row in one stream, chunks of
+    batch * seq_len + 1 tokens at a stride of batch * seq_len, each chunk `batch` rows of seq_len
+    inputs whose targets are the next seq_len tokens; the tokens after the last whole chunk are
+    dropped. Returns the rows as windows of seq_len + 1 tokens (overlapping by one)."""
+    ids = [t for row in tokenizer.encode_batch(rows) for t in [tokenizer.bos_id] + row]
+    n = (len(ids) - 1) // (batch * seq_len) * batch
+    if n == 0:
+        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one chunk of {batch} x sequence_len + 1 = "
+                         f"{batch * seq_len + 1}")
+    return [ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]

@@ -55,7 +55,6 @@ batch_size and the number of processes change the speed, not the tokens.
   PIQA = piqa, Hella = hellaswag (10-shot, not hellaswag_zeroshot), OPQA = openbook_qa (0-shot),
   ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean.
 """
-import csv
 import json
 import math
 import os
@@ -66,15 +65,14 @@ import time
 from itertools import islice
 from types import SimpleNamespace
 
-import pyarrow.parquet as pq
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
-import yaml
 
 import corpus
+from corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 import data
+from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
 from configurator import configure, settings_of
 from checkpoint import load_model
 from model import ROPE_SPAN
@@ -106,20 +104,8 @@ dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint 
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
 
 MODES = ("bpb", "wiki", "core", "sample", "exit")
-TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,")
 BYTE_COUNTS = ("authors", "utf8")  # val_bpb (compared with the paper), val_bpb_utf8
-
-
-def rank_world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_reduce_sum(t):
-    if rank_world()[1] > 1:
-        dist.all_reduce(t)
 
 
 def device_of(model):
@@ -162,7 +148,7 @@ def loss_sums(model, batches, per_token, width, weights, progress=None):
             sums[i] += torch.stack([v[w > 0].sum() for v in values] + [w.sum()]).double()
         if progress:
             progress()
-    all_reduce_sum(sums)
+    runtime.all_reduce_sum(sums)
     return sums.tolist()
 
 
@@ -204,63 +190,10 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
             for t, nats, used in zip(thresholds, sums[::2], sums[1::2])]
 
 
-# ----------------------------------------------------------------------------- which tokens are scored
-def protocol_chunks(files, tokenizer, seq_len, n_tokens, ranks, batch, rank=0, world=1):
-    """(this process's share of the chunks, chunks requested): the validation chunks an evaluation
-    on `ranks` processes at device batch `batch` scores, as the authors' loader cuts them. Simulated
-    rank r streams its own row groups (data.DataLoader), cut into (x, y) chunks of batch * seq_len
-    + 1 tokens, and scores the first n_tokens // (ranks * batch * seq_len) of them, or all of them
-    if its row groups end sooner (never a second pass). The ranks' chunks, in order, are shared among
-    the `world` processes in contiguous runs: any split gives the same sums."""
-    steps = max(1, n_tokens // (ranks * batch * seq_len))
-    per = -(-ranks * steps // world)
-    first, last = rank * per, min(ranks * steps, (rank + 1) * per)  # this process's chunks [first, last)
-    chunks = []
-    for r in range(first // steps, -(-last // steps)) if first < last else ():
-        stream = data.DataLoader(files, tokenizer, batch, seq_len, r, ranks, cycle=False)
-        lo, hi = max(first - r * steps, 0), min(last - r * steps, steps)
-        chunks += list(islice(stream, lo, hi))
-    return chunks, ranks * steps
-
-
-def rows(chunks, batch_size):
-    """The (x, y) rows of chunks, regrouped into batches of batch_size rows: the loss of a row does
-    not depend on the rows beside it."""
-    if not chunks:
-        return []
-    x, y = (torch.cat(t) for t in zip(*chunks))
-    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
-
-
 # ----------------------------------------------------------------------------- WikiText-2
-def load_rows(path):
-    """WikiText rows: a parquet file's `text` column, or the lines of wiki.test.tokens with blank
-    lines as "" (how the Hugging Face parquet was built from that file)."""
-    if path.endswith(".parquet"):
-        names = pq.read_schema(path).names
-        if "text" not in names:
-            raise ValueError(f"{path}: no 'text' column (columns: {names})")
-        return pq.read_table(path, columns=["text"]).column("text").to_pylist()
-    with open(path, encoding="utf-8") as f:
-        return [line if line.strip() else "" for line in f]
-
-
-def wiki_windows(tokenizer, rows, seq_len, batch):
-    """The authors' WikiText windows: BOS + tokens of every row in one stream, chunks of
-    batch * seq_len + 1 tokens at a stride of batch * seq_len, each chunk `batch` rows of seq_len
-    inputs whose targets are the next seq_len tokens; the tokens after the last whole chunk are
-    dropped. Returns the rows as windows of seq_len + 1 tokens (overlapping by one)."""
-    ids = [t for row in tokenizer.encode_batch(rows) for t in [tokenizer.bos_id] + row]
-    n = (len(ids) - 1) // (batch * seq_len) * batch
-    if n == 0:
-        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one chunk of {batch} x sequence_len + 1 = "
-                         f"{batch * seq_len + 1}")
-    return [ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]
-
-
 def evaluate_ppl(model, windows, loops_list, batch_size, progress=None):
     """{K: perplexity}: exp(mean NLL) of every target of the windows (wiki_windows)."""
-    rank, world = rank_world()
+    rank, world = runtime.rank_world()
     mine = torch.tensor(windows[rank::world], dtype=torch.long).view(-1, len(windows[0]))
     batches = ((w[:, :-1], w[:, 1:]) for w in mine.split(batch_size))
     [sums] = loss_sums(model, batches, sweep(model, loops_list), len(loops_list), [torch.ones_like], progress)
@@ -268,52 +201,6 @@ def evaluate_ppl(model, windows, loops_list, batch_size, progress=None):
 
 
 # ----------------------------------------------------------------------------- CORE
-def load_bundle(bundle_dir):
-    """The tasks of core.yaml, each {label, type, fewshot, delimiter, path, baseline (percent)}.
-    Every file and task type is checked here, before any model time is spent."""
-    yaml_path, meta_path = (os.path.join(bundle_dir, f) for f in ("core.yaml", "eval_meta_data.csv"))
-    with open(yaml_path) as f:
-        entries = (yaml.safe_load(f) or {}).get("icl_tasks")
-    if not entries:
-        raise ValueError(f"{yaml_path}: expected a non-empty 'icl_tasks' list")
-    with open(meta_path, newline="") as f:
-        rows = csv.DictReader(f)
-        if not {"Eval Task", "Random baseline"} <= set(rows.fieldnames or ()):
-            raise ValueError(f"{meta_path}: expected columns 'Eval Task' and 'Random baseline'")
-        baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
-    tasks = []
-    for entry in entries:
-        missing = {"label", "dataset_uri", "num_fewshot", "icl_task_type"} - set(entry)
-        if missing:
-            raise ValueError(f"{yaml_path}: task entry {entry} lacks {sorted(missing)}")
-        label = entry["label"]
-        if entry["icl_task_type"] not in TASK_TYPES:
-            raise ValueError(f"{yaml_path}: task {label!r} has icl_task_type {entry['icl_task_type']!r}; "
-                             f"expected one of {TASK_TYPES}")
-        path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{yaml_path}: task {label!r}: missing data file {path}")
-        if label not in baselines:
-            raise ValueError(f"{meta_path}: no 'Random baseline' row for task {label!r}")
-        tasks.append(dict(label=label, type=entry["icl_task_type"], fewshot=entry["num_fewshot"][0],
-                          delimiter=entry.get("continuation_delimiter", " "), path=path,
-                          baseline=baselines[label]))
-    return tasks
-
-
-def load_items(task, max_per_task):
-    """The task's items, shuffled with seed 1337, then cut to max_per_task if > 0 (nanochat)."""
-    with open(task["path"], encoding="utf-8") as f:
-        items = [json.loads(line) for line in f if line.strip()]
-    random.Random(1337).shuffle(items)
-    if max_per_task > 0:
-        items = items[:max_per_task]
-    if task["fewshot"] >= len(items):
-        raise ValueError(f"task {task['label']!r}: {task['fewshot']}-shot needs more than {len(items)} items "
-                         f"(max_per_task={max_per_task})")
-    return items
-
-
 def fewshot_indices(idx, n_items, k):
     """k distinct item indices != idx, drawn with random.Random(1234 + idx). Same draw as
     rng.sample([i for i in range(n_items) if i != idx], k), without building that list."""
@@ -419,11 +306,11 @@ def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size, lo
 def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-1, log=None):
     """{K: accuracy} on one task. Under torchrun each rank scores every world-th item."""
     items = load_items(task, max_per_task)
-    rank, world = rank_world()
+    rank, world = runtime.rank_world()
     correct = item_correct(model, tokenizer, task, items, range(rank, len(items), world), loops_list, batch_size,
                            log)
     counts = torch.tensor([sum(correct[K]) for K in loops_list], dtype=torch.float64, device=device_of(model))
-    all_reduce_sum(counts)
+    runtime.all_reduce_sum(counts)
     return {K: c / len(items) for K, c in zip(loops_list, counts.tolist())}
 
 
@@ -482,7 +369,7 @@ def validation(c, ctx):
         chunks, n_chunks = protocol_chunks(files, ctx.tokenizer, ctx.seq_len, c.bpb_tokens, c.protocol_ranks,
                                            c.protocol_batch, ctx.rank, ctx.world)
         counts = torch.tensor([sum(int((y >= 0).sum()) for _, y in chunks), len(chunks)], device=ctx.dev)
-        all_reduce_sum(counts)
+        runtime.all_reduce_sum(counts)
         requested = n_chunks * c.protocol_batch * ctx.seq_len
         targets, n = counts.tolist()
         forwards = f"{-(-n * c.protocol_batch // c.batch_size):,} forwards of {c.batch_size} x {ctx.seq_len}"
@@ -635,7 +522,7 @@ def main(argv):
             except Exception as e:
                 error = e
         ok = torch.tensor(float(error is None), device=dev)
-        all_reduce_sum(ok)  # every other rank adds 1
+        runtime.all_reduce_sum(ok)  # every other rank adds 1
         if ok.item() < world:
             raise error or RuntimeError("rank 0 could not fetch an input (its message says why)")
         return path or fetch()

@@ -48,6 +48,19 @@ def finish(rt):
         dist.destroy_process_group()
 
 
+def rank_world():
+    """(rank, world size) of the process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(t):
+    """Sum t over the process group's ranks, in place; nothing without one."""
+    if rank_world()[1] > 1:
+        dist.all_reduce(t)
+
+
 def print0(*args, **kwargs):
     """print on rank 0 only (torchrun's RANK), flushed."""
     if int(os.environ.get("RANK", 0)) == 0:
