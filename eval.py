@@ -55,7 +55,7 @@ batch_size and the number of processes change the speed, not the tokens.
   PIQA = piqa, Hella = hellaswag (10-shot, not hellaswag_zeroshot), OPQA = openbook_qa (0-shot),
   ARC-E = arc_easy, ARC-C = arc_challenge (10-shot); Avg = their mean.
 """
-import json
+import functools
 import math
 import os
 import random
@@ -73,7 +73,7 @@ import corpus
 from corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 import data
 from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
-from configurator import configure, settings_of
+from configurator import settings_of
 from checkpoint import load_model
 from model import ROPE_SPAN
 import report
@@ -108,10 +108,6 @@ SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a 
 BYTE_COUNTS = ("authors", "utf8")  # val_bpb (compared with the paper), val_bpb_utf8
 
 
-def device_of(model):
-    return next(model.parameters()).device
-
-
 # ----------------------------------------------------------------------------- the budget sweep
 def token_losses(logits, targets):
     """Cross-entropy of each target (B, T); 0 for targets of -1."""
@@ -140,7 +136,7 @@ def loss_sums(model, batches, per_token, width, weights, progress=None):
     """For each of `weights` (functions of the targets y): the sums of the `width` per-token values
     per_token(x, y) returns ((B, T) tensors, e.g. sweep's) over the targets with weight > 0, then the
     sum of the weights; over all batches and ranks."""
-    sums = torch.zeros(len(weights), width + 1, dtype=torch.float64, device=device_of(model))
+    sums = torch.zeros(len(weights), width + 1, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         x, y = x.to(sums.device), y.to(sums.device)
         values = per_token(x, y)
@@ -256,7 +252,7 @@ def score_sequences(model, seqs, loops_list, batch_size, progress=None):
     """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
     for [(tokens, s)], sorted by length to limit padding, batch_size sequences per forward; a long
     prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len."""
-    device = device_of(model)
+    device = next(model.parameters()).device
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
     chunks, budget = [[]], batch_size * model.config.sequence_len
@@ -309,7 +305,8 @@ def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-
     rank, world = runtime.rank_world()
     correct = item_correct(model, tokenizer, task, items, range(rank, len(items), world), loops_list, batch_size,
                            log)
-    counts = torch.tensor([sum(correct[K]) for K in loops_list], dtype=torch.float64, device=device_of(model))
+    counts = torch.tensor([sum(correct[K]) for K in loops_list], dtype=torch.float64,
+                          device=next(model.parameters()).device)
     runtime.all_reduce_sum(counts)
     return {K: c / len(items) for K, c in zip(loops_list, counts.tolist())}
 
@@ -328,57 +325,37 @@ def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=
         accuracy = evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task, progress and log)
         for K, a in accuracy.items():
             results[K]["tasks"][task["label"]] = {"accuracy": a, "centered": centered(a, task["baseline"])}
-        log(f"{task['label']:<34} {task['fewshot']:>2}-shot  " + "  ".join(
-            f"K={K}: {a:.4f}" for K, a in accuracy.items()) + f"  ({time.time() - t0:.1f}s)")
+        log(f"{task['label']:<34} {task['fewshot']:>2}-shot  {report.per_K(accuracy, '.4f')}  ({time.time() - t0:.1f}s)")
     for r in results.values():
         r["CORE"] = statistics.mean(t["centered"] for t in r["tasks"].values())
     return results
 
 
-# ----------------------------------------------------------------------------- samples
-def sample(model, tokenizer, loops_list, max_new_tokens, temperature=0.0, seed=None, progress=None):
-    """{K: [prompt + continuation for each of SAMPLE_PROMPTS]}."""
-    texts = {K: [] for K in loops_list}
-    for K in loops_list:
-        for prompt in SAMPLE_PROMPTS:
-            texts[K].append(runtime.sample(model, tokenizer, prompt, max_new_tokens, temperature=temperature,
-                                           seed=seed, loops=K))
-            if progress:
-                progress()
-    return texts
-
-
-def write_results(json_path, record, md):
-    """eval.json (record + the table) and eval.md beside it, each replaced atomically."""
-    runtime.atomic_write(json_path, json.dumps(record | {"table": md}, indent=1))
-    runtime.atomic_write(os.path.splitext(json_path)[0] + ".md", md)
-
-
 # ----------------------------------------------------------------------------- the modes
-# Each mode is planned first (its inputs fetched and counted: the plan line, the forwards this
-# process will run), then run: run() returns ({K: {key: value}}, what was measured).
+# Each mode plans (its inputs fetched and counted, no forward yet) and returns (its plan line, the
+# forwards this process will run, run); run() returns ({K: {key: value}}, what was measured).
 def progress_of(ctx, label, total, unit="forwards"):
-    return corpus.Progress(label, total, unit, log=ctx.print0) if ctx.rank == 0 else None
+    return corpus.Progress(label, total, unit, log=print0) if ctx.rank == 0 else None
 
 
 def validation(c, ctx):
     """The validation batches of the bpb and exit modes, built once: the authors' chunks (module
     docstring), this process's share, regrouped into batches of batch_size rows."""
     if ctx.val is None:
-        files = c.val_files.split(",") if c.val_files else [ctx.fetched(lambda: corpus.val_shard(ctx.settings, ctx.data_dir))]
+        files = c.val_files.split(",") if c.val_files else [
+            runtime.rank0_first(ctx.rt, lambda: corpus.val_shard(ctx.settings, ctx.data_dir))]
         chunks, n_chunks = protocol_chunks(files, ctx.tokenizer, ctx.seq_len, c.bpb_tokens, c.protocol_ranks,
                                            c.protocol_batch, ctx.rank, ctx.world)
         counts = torch.tensor([sum(int((y >= 0).sum()) for _, y in chunks), len(chunks)], device=ctx.dev)
         runtime.all_reduce_sum(counts)
-        requested = n_chunks * c.protocol_batch * ctx.seq_len
-        targets, n = counts.tolist()
-        forwards = f"{-(-n * c.protocol_batch // c.batch_size):,} forwards of {c.batch_size} x {ctx.seq_len}"
+        (targets, n), requested = counts.tolist(), n_chunks * c.protocol_batch * ctx.seq_len
         layout = f"as the authors' {c.protocol_ranks} ranks x batch {c.protocol_batch} cut it"
         what = (f"{targets:,} tokens of {files[-1]} ({layout})" if targets == requested else
                 f"{targets:,} tokens of {files[-1]}: fewer than bpb_tokens={c.bpb_tokens:,}, so every one of "
                 f"them once ({layout}; their loader would have wrapped around and scored tokens again)")
-        ctx.val = SimpleNamespace(batches=rows(chunks, c.batch_size), what=what, forwards=forwards, measured=dict(
-            tokens=targets, requested=requested, files=files, ranks=c.protocol_ranks, batch=c.protocol_batch))
+        ctx.val = SimpleNamespace(batches=rows(chunks, c.batch_size), what=what, measured=dict(
+            tokens=targets, requested=requested, files=files, ranks=c.protocol_ranks, batch=c.protocol_batch),
+            forwards=f"{-(-n * c.protocol_batch // c.batch_size):,} forwards of {c.batch_size} x {ctx.seq_len}")
         ctx.tables = {count: ctx.tokenizer.token_bytes(count).to(ctx.dev) for count in BYTE_COUNTS}
     return ctx.val
 
@@ -387,22 +364,22 @@ def bpb_mode(c, ctx):
     val = validation(c, ctx)
 
     def run():
-        bpb, n_tokens = evaluate_bpb(ctx.model, val.batches, ctx.tables, ctx.loops,
-                                     progress_of(ctx, "val bpb", len(val.batches)))
-        ctx.print0("val bpb: " + "  ".join(f"K={K}: {v:.4f}" for K, v in bpb["authors"].items()) +
-                   "  (true UTF-8 bytes: " + "  ".join(f"{v:.4f}" for v in bpb["utf8"].values()) + ")")
+        bpb, _ = evaluate_bpb(ctx.model, val.batches, ctx.tables, ctx.loops,
+                              progress_of(ctx, "val bpb", len(val.batches)))
+        print0(f"val bpb: {report.per_K(bpb['authors'], '.4f')}  (true UTF-8 bytes: "
+               + "  ".join(f"{v:.4f}" for v in bpb["utf8"].values()) + ")")
         return {K: {"val_bpb": bpb["authors"][K], "val_bpb_utf8": bpb["utf8"][K]} for K in ctx.loops}, val.measured
     return f"{val.what}; {val.forwards} at K={ctx.loops[-1]}", len(val.batches), run
 
 
 def exit_mode(c, ctx):
     val, K_max = validation(c, ctx), ctx.loops[-1]
-    n = len(val.batches) * len(ctx.thresholds)
+    n = len(ctx.thresholds) * len(val.batches)
 
     def run():
         curve = evaluate_exit(ctx.model, val.batches, ctx.tables["authors"], K_max, ctx.thresholds,
                               progress_of(ctx, "exit", n))
-        ctx.print0(f"exit rule, K <= {K_max}: " + "  ".join(
+        print0(f"exit rule, K <= {K_max}: " + "  ".join(
             f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops" for r in curve))
         return {K_max: {"exit": curve}}, val.measured
     return (f"the bpb mode's tokens, K <= {K_max}, thresholds {ctx.thresholds}: {len(ctx.thresholds)} x "
@@ -410,169 +387,99 @@ def exit_mode(c, ctx):
 
 
 def wiki_mode(c, ctx):
-    path = c.wiki_path or ctx.fetched(lambda: corpus.fetch_wikitext(c.wiki_url, ctx.data_dir))
+    path = c.wiki_path or runtime.rank0_first(ctx.rt, lambda: corpus.fetch_wikitext(c.wiki_url, ctx.data_dir))
     windows = wiki_windows(ctx.tokenizer, load_rows(path), ctx.seq_len, c.protocol_batch)
-    n = -(-len(windows[ctx.rank::ctx.world]) // c.batch_size)
+    n, tokens = -(-len(windows[ctx.rank::ctx.world]) // c.batch_size), len(windows) * ctx.seq_len
 
     def run():
         ppl = evaluate_ppl(ctx.model, windows, ctx.loops, c.batch_size, progress_of(ctx, "wikitext-2", n))
-        ctx.print0("wikitext-2 test ppl: " + "  ".join(f"K={K}: {v:.2f}" for K, v in ppl.items()))
-        return {K: {"wiki_ppl": v} for K, v in ppl.items()}, {"tokens": len(windows) * ctx.seq_len}
-    return (f"{len(windows) * ctx.seq_len:,} tokens of {path} ({len(windows):,} rows of {ctx.seq_len}); "
+        print0(f"wikitext-2 test ppl: {report.per_K(ppl, '.2f')}")
+        return {K: {"wiki_ppl": v} for K, v in ppl.items()}, {"tokens": tokens}
+    return (f"{tokens:,} tokens of {path} ({len(windows):,} rows of {ctx.seq_len}); "
             f"{-(-len(windows) // c.batch_size):,} forwards of {c.batch_size} x {ctx.seq_len} at K={ctx.loops[-1]}",
             n, run)
 
 
 def core_mode(c, ctx):
-    bundle = ctx.fetched(lambda: corpus.fetch_bundle(c.bundle_dir or os.path.join(ctx.data_dir, "eval_bundle"), c.bundle_url))
+    bundle = runtime.rank0_first(ctx.rt, lambda: corpus.fetch_bundle(
+        c.bundle_dir or os.path.join(ctx.data_dir, "eval_bundle"), c.bundle_url))
     tasks = load_bundle(bundle)
-    items = [load_items(task, c.max_per_task) for task in tasks]
-    n_seqs = sum(len(it["choices"] if "choices" in it else it.get("context_options", [0])) for its in items
-                 for it in its)
+    items = [it for task in tasks for it in load_items(task, c.max_per_task)]
+    n_seqs = sum(len(it["choices"] if "choices" in it else it.get("context_options", [0])) for it in items)
+    n = -(-n_seqs // (c.batch_size * ctx.world))
 
     def run():
         core = evaluate_core(ctx.model, ctx.tokenizer, tasks, ctx.loops, c.batch_size, c.max_per_task,
-                             log=ctx.print0, progress=True)
-        ctx.print0("CORE: " + "  ".join(f"K={K}: {r['CORE']:.4f}" for K, r in core.items()))
-        return core, {"items": sum(map(len, items)), "sequences": n_seqs}
-    n = -(-n_seqs // (c.batch_size * ctx.world))
-    return (f"{sum(map(len, items)):,} items in {len(tasks)} tasks of {bundle}: {n_seqs:,} sequences, about "
+                             log=print0, progress=True)
+        print0(f"CORE: {report.per_K({K: r['CORE'] for K, r in core.items()}, '.4f')}")
+        return core, {"items": len(items), "sequences": n_seqs}
+    return (f"{len(items):,} items in {len(tasks)} tasks of {bundle}: {n_seqs:,} sequences, about "
             f"{n * ctx.world:,} forwards of up to {c.batch_size} at K={ctx.loops[-1]}", n, run)
 
 
 def sample_mode(c, ctx):
-    n = len(SAMPLE_PROMPTS) * len(ctx.loops) if ctx.rank == 0 else 0
+    """SAMPLE_PROMPTS continued at each K on rank 0, by cached decoding; its forwards are the decoding
+    steps, counted in steps of max(loops) loops."""
+    prompts = [(K, p) for K in ctx.loops for p in SAMPLE_PROMPTS] if ctx.rank == 0 else []
 
     def run():
-        texts = sample(ctx.model, ctx.tokenizer, ctx.loops, c.sample_tokens, c.temperature, c.seed,
-                       progress_of(ctx, "sample", n, "samples")) if ctx.rank == 0 else {}
+        progress, texts = progress_of(ctx, "sample", len(prompts), "samples"), {}
+        for K, prompt in prompts:
+            texts.setdefault(K, []).append(runtime.sample(ctx.model, ctx.tokenizer, prompt, c.sample_tokens,
+                                                          temperature=c.temperature, seed=c.seed, loops=K))
+            progress()
         for K, t in texts.items():
-            ctx.print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
+            print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
         return {K: {"samples": t} for K, t in texts.items()}, {}
     return (f"{len(SAMPLE_PROMPTS)} prompts x {c.sample_tokens} tokens at each K in {ctx.loops}, cached decoding",
-            0, run)
+            sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)
 
 
 PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample_mode, "exit": exit_mode}
-HINTS = {"bpb": "--val_files=<parquet shards>", "exit": "--val_files=<parquet shards>",
-         "wiki": "--wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>", "core": "--bundle_dir=<unpacked eval_bundle>"}
 
 
 @torch.no_grad()
 def estimate(c, ctx, planned):
-    """Seconds each planned mode should take, from timing the first forwards (one warm-up, then one
-    timed) at max(loops) on a batch_size x sequence_len batch, and a few tokens of decoding."""
+    """Seconds each planned mode should take: its forwards times those of the first forwards at
+    max(loops) on a batch_size x sequence_len batch (one warm-up, then one timed), or, for the
+    sample mode, times those of a decoding step (4 tokens timed)."""
     K_max, x = ctx.loops[-1], torch.zeros(c.batch_size, ctx.seq_len, dtype=torch.long, device=ctx.dev)
     with ctx.numerics:
-        for _ in range(2):
-            t0 = time.perf_counter()
-            loop_losses(ctx.model, x, x, [K_max])
-        forward = time.perf_counter() - t0
-        decode = 0.0
-        if "sample" in planned and ctx.rank == 0:
-            t0 = time.perf_counter()
-            list(ctx.model.generate(x[:1, :1], 4, loops=K_max))
-            decode = (time.perf_counter() - t0) / 4 * c.sample_tokens * len(SAMPLE_PROMPTS) * sum(ctx.loops) / K_max
-    return {mode: decode if mode == "sample" else forwards * forward for mode, (_, forwards, _) in planned.items()}
-
-
-def minutes(seconds):
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+        forward = report.seconds(lambda: loop_losses(ctx.model, x, x, [K_max]), warmup=1)
+        step = report.seconds(lambda: list(ctx.model.generate(x[:1, :1], 4, loops=K_max))) / 4 if (
+            "sample" in planned and ctx.rank == 0) else 0.0
+    return {mode: n * (step if mode == "sample" else forward) for mode, (_, n, _) in planned.items()}
 
 
 # ----------------------------------------------------------------------------- main
-def parse(argv):
-    if {"--help", "-h"} & set(argv):
-        configure(settings_of(globals()), argv, source=__file__)  # prints the settings and exits
-    if not argv or argv[0].startswith("--") or argv[0].endswith(".py"):
-        raise ValueError("usage: python eval.py <checkpoint dir> [config.py] [--key=value ...]; --help lists the settings")
-    # the run's settings live in a copy, so importing this module (train.py, tests) sees the defaults
-    c = SimpleNamespace(**configure(settings_of(globals()), argv[1:]))
-    run_modes = [m.strip() for m in c.modes.split(",") if m.strip()]
-    if not run_modes or set(run_modes) - set(MODES):
-        raise ValueError(f"--modes={c.modes!r}: expected a comma-separated subset of {','.join(MODES)}")
-    loops_list = [v.strip() for v in c.loops.split(",") if v.strip()]
-    if not loops_list or not all(v.isdigit() and int(v) >= 1 for v in loops_list):
-        raise ValueError(f"--loops={c.loops!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
-    try:
-        thresholds = [float(v) for v in c.exit_thresholds.split(",") if v.strip()]
-    except ValueError:
-        thresholds = None
-    if thresholds is None or ("exit" in run_modes) != bool(thresholds) or not all(t >= 0 for t in thresholds):
-        raise ValueError(f"--exit_thresholds={c.exit_thresholds!r}: the exit mode needs, and only it takes, "
-                         f"comma-separated KL thresholds >= 0, e.g. 0.1,0.03,0.01")
-    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
-        if getattr(c, key) < 1:
-            raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
-    return argv[0], c, [m for m in MODES if m in run_modes], sorted(set(map(int, loops_list))), thresholds
-
-
 def main(argv):
-    ckpt, c, run_modes, loops_list, thresholds = parse(argv)
+    ckpt, c, run_modes, loops_list, thresholds = report.parse(argv, settings_of(globals()), __file__, MODES)
     rt = runtime.setup(c.device)
     runtime.init_group(rt)
-    dev, rank, world = rt.device, rt.rank, rt.world
-
-    def fetched(fetch):
-        """Rank 0 fetches first; the other ranks then find the file in place. If rank 0 failed, all raise."""
-        path = error = None
-        if rank == 0:
-            try:
-                path = fetch()
-            except Exception as e:
-                error = e
-        ok = torch.tensor(float(error is None), device=dev)
-        runtime.all_reduce_sum(ok)  # every other rank adds 1
-        if ok.item() < world:
-            raise error or RuntimeError("rank 0 could not fetch an input (its message says why)")
-        return path or fetch()
-
-    model, meta = load_model(ckpt, dev, log=print0)  # the newest readable checkpoint, saying so
-    model.eval()
+    model, meta = load_model(ckpt, rt.device, log=print0)  # the newest readable checkpoint, saying so
     settings = meta.get("settings", {})
-    ctx = SimpleNamespace(model=model, settings=settings, rank=rank, world=world, dev=dev, print0=print0,
-                          fetched=fetched, loops=loops_list, thresholds=thresholds, seq_len=model.config.sequence_len,
-                          data_dir=c.data_dir or settings.get("data_dir", corpus.DEFAULT_DATA_DIR), val=None,
+    ctx = SimpleNamespace(model=model.eval(), settings=settings, rt=rt, rank=rt.rank, world=rt.world, dev=rt.device,
+                          val=None, loops=loops_list, thresholds=thresholds, seq_len=model.config.sequence_len,
+                          data_dir=c.data_dir or settings.get("data_dir", corpus.DEFAULT_DATA_DIR),
                           # the numerics the run trained with (bf16 embedding and autocast, or fp32)
                           numerics=runtime.precision(model, rt.device_type, c.dtype or settings.get("dtype", "fp32")),
                           tokenizer=data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # with the
                                                         bos=settings.get("bos_token", data.BOS)))   # weights
     json_path = c.out or os.path.join(meta["path"], "eval.json")
     print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K={model.config.loops}; "
-           f"evaluating K in {loops_list} on {dev}, world {world}")
-    planned, failed = {}, {}
-    for mode in run_modes:  # the plan: inputs fetched and counted, no forward yet
-        try:
-            planned[mode] = PLANS[mode](c, ctx)
-            print0(f"plan {mode:<6} {planned[mode][0]}")
-        except Exception as e:
-            failed[mode] = e
-            print0(f"plan {mode:<6} cannot run: {e}", file=sys.stderr)
-    if planned:
-        seconds = estimate(c, ctx, planned)
-        print0("estimate (from the first forwards): " + ", ".join(f"{m} ~{minutes(s)}" for m, s in seconds.items()) +
-               f"; in all ~{minutes(sum(seconds.values()))}")
-    results, measured = {K: {} for K in loops_list}, {}
-    for mode, (_, _, run) in planned.items():
-        try:
-            with ctx.numerics:
-                per_K, measured[mode] = run()
-        except Exception as e:
-            failed[mode] = e
-            print0(f"eval.py: mode {mode!r} failed: {e}", file=sys.stderr)
-            continue
-        for K, r in per_K.items():
-            results[K].update(r)
-        if rank == 0:
-            write_results(json_path, {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c),
-                                      "measured": measured, "results": {str(K): r for K, r in results.items()}},
-                          report.table(results))
+           f"evaluating K in {loops_list} on {rt.device}, world {rt.world}")
+    record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c)}
+
+    def save(results, measured):  # after every mode, on rank 0; each file replaced atomically
+        if rt.rank == 0:
+            report.write_results(json_path, record, results, measured, write=runtime.atomic_write)
+    plans = {mode: functools.partial(PLANS[mode], c, ctx) for mode in run_modes}
+    results, measured, failed = report.run_modes(plans, functools.partial(estimate, c, ctx), ctx.numerics, save,
+                                                 loops_list, print0)
     print0("\n" + report.table(results) + (f"written to {json_path}" if measured else "nothing computed"))
     runtime.finish(rt)  # rank 0 was writing
     if failed:
-        print0(f"eval.py: {len(failed)} of {len(run_modes)} modes could not run: {', '.join(failed)} (why: above). "
-               f"Saved in {json_path}: {list(measured) or 'nothing'}. Inputs are downloaded unless given; without "
-               "network point at local files: " + ", ".join(HINTS[m] for m in failed if m in HINTS), file=sys.stderr)
+        print0(report.failures(failed, len(run_modes), json_path, measured), file=sys.stderr)
         raise SystemExit(1)
     return results
 

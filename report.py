@@ -1,12 +1,28 @@
-"""The paper's Table 1 from eval.py's results, in one place: eval.py writes it (eval.md, eval.json's
-"table", a row per evaluated K) and `plot.py table` lays it out over runs (a row per run, the paper's
-row below). No torch here: plot.py runs without it.
+"""What eval.py reports, and the run around its measurements; no torch here (plot.py runs without it).
+
+- Table 1, in one place: eval.py writes it (eval.md and eval.json's "table", a row per evaluated K)
+  and `plot.py table` lays it out over runs (a row per run, the paper's numbers below).
+- eval.json and eval.md, written after every mode (write_results).
+- eval.py's command line (parse: a bad setting is a ValueError naming it) and its plan-then-run
+  (run_modes: a plan line per mode before any forward, the time estimate, each mode run and saved;
+  a mode that cannot run is reported and the others still run; failures: the closing line).
 
     report.table({3: {"val_bpb": 0.898, ...}})           # eval.py's table
     report.markdown(["model", "K"], [["FLT", 9, *report.cells(report.values(r))]])
+    ckpt, c, modes, loops, thresholds = report.parse(argv, settings_of(globals()), __file__, MODES)
+    results, measured, failed = report.run_modes(plans, estimate, numerics, save, loops, print0)
 """
+import json
+import os
 import statistics
+import sys
+import time
+from types import SimpleNamespace
 
+from configurator import configure
+
+
+# ----------------------------------------------------------------------------- Table 1
 # Table 1's downstream columns -> the CORE task label (core.yaml) whose raw accuracy they show
 TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": "openbook_qa",
          "ARC-E": "arc_easy", "ARC-C": "arc_challenge"}
@@ -54,3 +70,106 @@ def markdown(first, rows):
 def table(results):
     """eval.py's table ({K: results at K}): a row per K, a blank cell where a mode did not run."""
     return markdown(["K"], [[K, *cells(values(r), "")] for K, r in results.items()])
+
+
+# ----------------------------------------------------------------------------- eval.json
+def write_results(json_path, record, results, measured, write):
+    """eval.json (record, what was measured, the results by K and their table) and eval.md beside it,
+    each through write(path, text): eval.py's runtime.atomic_write, so a reader never sees half a file."""
+    md = table(results)
+    write(json_path, json.dumps(record | {"measured": measured, "results": {str(K): r for K, r in results.items()},
+                                          "table": md}, indent=1))
+    write(os.path.splitext(json_path)[0] + ".md", md)
+
+
+# ----------------------------------------------------------------------------- eval.py's run
+# Where a mode's inputs are, when it could not fetch them (no network): the settings that point at local files
+HINTS = {"bpb": "--val_files=<parquet shards>", "exit": "--val_files=<parquet shards>",
+         "wiki": "--wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>", "core": "--bundle_dir=<unpacked eval_bundle>"}
+
+
+def parse(argv, defaults, source, modes):
+    """eval.py's command line over its settings (defaults, read from the script `source`): (checkpoint,
+    the settings, the modes asked for in the order of `modes`, the loop budgets sorted, the exit
+    thresholds). A bad value is a ValueError naming the setting and what it allows."""
+    if {"--help", "-h"} & set(argv):
+        configure(defaults, argv, source=source)  # prints the settings and exits
+    if not argv or argv[0].startswith("--") or argv[0].endswith(".py"):
+        raise ValueError("usage: python eval.py <checkpoint dir> [config.py] [--key=value ...]; --help lists the settings")
+    # the run's settings live in a copy, so importing eval.py (train.py, tests) sees the defaults
+    c = SimpleNamespace(**configure(dict(defaults), argv[1:]))
+    run_modes = [m.strip() for m in c.modes.split(",") if m.strip()]
+    if not run_modes or set(run_modes) - set(modes):
+        raise ValueError(f"--modes={c.modes!r}: expected a comma-separated subset of {','.join(modes)}")
+    loops_list = [v.strip() for v in c.loops.split(",") if v.strip()]
+    if not loops_list or not all(v.isdigit() and int(v) >= 1 for v in loops_list):
+        raise ValueError(f"--loops={c.loops!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
+    try:
+        thresholds = [float(v) for v in c.exit_thresholds.split(",") if v.strip()]
+    except ValueError:
+        thresholds = None
+    if thresholds is None or ("exit" in run_modes) != bool(thresholds) or not all(t >= 0 for t in thresholds):
+        raise ValueError(f"--exit_thresholds={c.exit_thresholds!r}: the exit mode needs, and only it takes, "
+                         f"comma-separated KL thresholds >= 0, e.g. 0.1,0.03,0.01")
+    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
+        if getattr(c, key) < 1:
+            raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
+    return argv[0], c, [m for m in modes if m in run_modes], sorted(set(map(int, loops_list))), thresholds
+
+
+def per_K(values, spec):
+    """{K: value} as eval.py's result lines print it: "K=1: 1.2345  K=3: 1.1234"."""
+    return "  ".join(f"K={K}: {v:{spec}}" for K, v in values.items())
+
+
+def seconds(work, warmup=0):
+    """Seconds one call of work() takes, after `warmup` calls (the first forwards compile and allocate)."""
+    for _ in range(warmup):
+        work()
+    t0 = time.perf_counter()
+    work()
+    return time.perf_counter() - t0
+
+
+def minutes(s):
+    return f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
+
+
+def run_modes(plans, estimate, numerics, save, loops, log):
+    """Plan, then run. plans: {mode: plan()}, each plan() returning (its plan line, forwards, run) after
+    fetching and counting its inputs, no forward yet; a plan that raises is reported and its mode left
+    out. Then the estimate line (estimate(planned) -> {mode: seconds}), then each run() in `numerics`,
+    returning ({K: results at K}, what was measured), and save(results, measured) after each mode. A
+    mode that fails is reported and the others still run. Returns (results, measured, failed)."""
+    planned, failed = {}, {}
+    for mode, plan in plans.items():
+        try:
+            planned[mode] = plan()
+            log(f"plan {mode:<6} {planned[mode][0]}")
+        except Exception as e:
+            failed[mode] = e
+            log(f"plan {mode:<6} cannot run: {e}", file=sys.stderr)
+    if planned:
+        expected = estimate(planned)
+        log("estimate (from the first forwards): " + ", ".join(f"{m} ~{minutes(s)}" for m, s in expected.items()) +
+            f"; in all ~{minutes(sum(expected.values()))}")
+    results, measured = {K: {} for K in loops}, {}
+    for mode, (_, _, run) in planned.items():
+        try:
+            with numerics:
+                by_K, measured[mode] = run()
+        except Exception as e:
+            failed[mode] = e
+            log(f"eval.py: mode {mode!r} failed: {e}", file=sys.stderr)
+            continue
+        for K, r in by_K.items():
+            results[K].update(r)
+        save(results, measured)
+    return results, measured, failed
+
+
+def failures(failed, n_modes, json_path, measured):
+    """The closing line of a run whose modes did not all run: which, what was saved, how to go offline."""
+    return (f"eval.py: {len(failed)} of {n_modes} modes could not run: {', '.join(failed)} (why: above). "
+            f"Saved in {json_path}: {list(measured) or 'nothing'}. Inputs are downloaded unless given; without "
+            "network point at local files: " + ", ".join(HINTS[m] for m in failed if m in HINTS))

@@ -61,6 +61,22 @@ def all_reduce_sum(t):
         dist.all_reduce(t)
 
 
+def rank0_first(rt, fetch):
+    """fetch() on rank 0 first; the other ranks then find its file in place. If rank 0 failed, every
+    rank raises (rank 0 its error), so all ranks agree on what could be fetched."""
+    path = error = None
+    if rt.rank == 0:
+        try:
+            path = fetch()
+        except Exception as e:
+            error = e
+    ok = torch.tensor(float(error is None), device=rt.device)
+    all_reduce_sum(ok)  # every other rank adds 1
+    if ok.item() < rt.world:
+        raise error or RuntimeError("rank 0 could not fetch an input (its message says why)")
+    return path or fetch()
+
+
 def print0(*args, **kwargs):
     """print on rank 0 only (torchrun's RANK), flushed."""
     if int(os.environ.get("RANK", 0)) == 0:
