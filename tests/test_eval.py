@@ -8,6 +8,7 @@ A character tokenizer (one id per character, BOS = 0) and a word tokenizer with 
 words (WORD_IDS) make token spans writable by hand. CORE is also compared, example by example,
 with `nanochat_example`, a plain re-implementation of nanochat's core_eval written for this test.
 """
+import itertools
 import json
 import math
 import os
@@ -548,10 +549,6 @@ def test_bpb_by_both_byte_counts():
                    "utf8": {2: pytest.approx(nats / (math.log(2) * 5))}} and n == 4
 
 
-def test_bpb_tokens_default_is_the_authors_count():
-    assert ev.bpb_tokens == 40 * 2**19
-
-
 def test_wiki_windows_layout():
     """BOS before every row (the empty one too), one stream: 0 a b 0 0 c \\n 0 d e (10 tokens).
     seq_len 2, batch 2: chunks of 5 tokens at a stride of 4 ((10 - 1) // 4 = 2 chunks), each two rows
@@ -678,10 +675,10 @@ def test_missing_checkpoint_and_bad_settings(tmp_path):
 # ----------------------------------------------------------------------------- the CLI
 
 
-def save_checkpoint(tmp_path, **settings):
+def save_checkpoint(tmp_path, seq_len=64, **settings):
     """A tiny saved run (real BPE tokenizer) and a validation shard: (model, tokenizer, step dir)."""
     tok = bpe_tokenizer(tmp_path)
-    model = randomize_(tiny_gpt(seq_len=64, loops=2, vocab_size=tok.vocab_size))
+    model = randomize_(tiny_gpt(seq_len=seq_len, loops=2, vocab_size=tok.vocab_size))
     step = checkpoint.save(str(tmp_path / "run"), 10, model, {"world_size": 1},
                            settings={"dataset": "embedded", **settings}, files={"tokenizer.json": tok.save})
     step = type(tmp_path)(step)
@@ -690,25 +687,34 @@ def save_checkpoint(tmp_path, **settings):
 
 
 def test_cli_end_to_end(tmp_path):
-    """A saved checkpoint through every mode: the JSON and markdown agree with the functions
-    called directly."""
+    """A saved checkpoint through every mode: eval.json's numbers equal the functions called
+    directly on the protocol's inputs, and eval.md's cells are those numbers as Table 1 prints them."""
     model, tok, step = save_checkpoint(tmp_path)
     (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n The opposite of hot is cold .\n" * 40)
     bundle = make_bundle(tmp_path / "bundle")
-    results = ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=2,1", "--batch_size=4", "--bpb_tokens=512",
-                       f"--val_files={tmp_path / 'val.parquet'}", f"--wiki_path={tmp_path / 'wiki.test.tokens'}",
-                       f"--bundle_dir={bundle}", "--sample_tokens=3", f"--data_dir={tmp_path / 'nodata'}"])
+    ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=2,1", "--batch_size=4", "--bpb_tokens=512",
+             f"--val_files={tmp_path / 'val.parquet'}", f"--wiki_path={tmp_path / 'wiki.test.tokens'}",
+             f"--bundle_dir={bundle}", "--sample_tokens=3", f"--data_dir={tmp_path / 'nodata'}"])
     saved = json.loads((step / "eval.json").read_text())
     assert saved["step"] == 10 and list(saved["results"]) == ["1", "2"]
+    # the authors' layout (4 ranks x batch 4); 512 tokens at sequence_len 64 are less than a chunk a rank: one each
+    chunks, n = ev.protocol_chunks([str(tmp_path / "val.parquet")], tok, 64, 512, 4, 4)
+    assert n == 4 and saved["measured"]["bpb"]["tokens"] == sum(int((y >= 0).sum()) for _, y in chunks)
+    bpb = ev.evaluate_bpb(model, chunks, {c: tok.token_bytes(c) for c in ("authors", "utf8")}, [1, 2])[0]
     ppl = ev.evaluate_ppl(model, ev.wiki_windows(tok, ev.load_rows(str(tmp_path / "wiki.test.tokens")), 64, 4),
                           [1, 2], 4)
     core = ev.evaluate_core(model, tok, ev.load_bundle(bundle), [1, 2], 4, log=lambda *a: None)
+    md = ("| K | Wiki2 ppl | val bpb | CORE | LMB | PIQA | Hella | OPQA | ARC-E | ARC-C | Avg |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|\n")
     for K in (1, 2):
         r = saved["results"][str(K)]
+        assert r["val_bpb"] == pytest.approx(bpb["authors"][K], rel=1e-5)
+        assert r["val_bpb_utf8"] == pytest.approx(bpb["utf8"][K], rel=1e-5)
         assert r["wiki_ppl"] == pytest.approx(ppl[K]) and r["CORE"] == pytest.approx(core[K]["CORE"])
-        assert r["val_bpb"] > 0 and len(r["samples"]) == len(ev.SAMPLE_PROMPTS)
-        assert r["samples"][0].startswith(ev.SAMPLE_PROMPTS[0])
-    assert (step / "eval.md").read_text() == saved["table"] == report.table(results)
+        assert len(r["samples"]) == len(ev.SAMPLE_PROMPTS) and r["samples"][0].startswith(ev.SAMPLE_PROMPTS[0])
+        # the handmade bundle has none of Table 1's six tasks: their cells and Avg stay empty
+        md += f"| {K} | {r['wiki_ppl']:.2f} | {r['val_bpb']:.3f} | {100 * r['CORE']:.2f} |" + "  |" * 7 + "\n"
+    assert (step / "eval.md").read_text() == saved["table"] == md
     assert not (tmp_path / "nodata").exists()  # every input was local
 
 
@@ -848,6 +854,38 @@ def test_protocol_chunks_do_not_depend_on_the_processes(tmp_path):
         assert len(flat) == 15 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(flat, whole))
     stream1 = data.DataLoader([val], tok, 2, 16, 1, 3, cycle=False)
     assert all(torch.equal(next(stream1)[0], whole[5 + i][0]) for i in range(5))  # simulated rank 1's own stream
+
+
+class LongSplit:
+    """A validation split longer than any request: each simulated rank's loader cuts chunks forever
+    (int8 zeros, cheap), and every loader made is recorded."""
+    made = []
+
+    def __init__(self, files, tokenizer, batch, seq_len, rank, ranks, cycle):
+        LongSplit.made.append((rank, ranks, batch, seq_len, cycle))
+        self.chunk = (torch.zeros(batch, seq_len, dtype=torch.int8),) * 2
+
+    def __iter__(self):
+        return itertools.repeat(self.chunk)
+
+
+def test_default_settings_score_the_authors_eval_sh_tokens(tmp_path, monkeypatch, capsys):
+    """eval.sh's layout at the paper's sequence_len 1024: 4 ranks x batch 4 x 1280 chunks of 1024
+    tokens, 40 x 2^19 tokens in all, whatever batch_size runs them. Stopped after the plan."""
+    save_checkpoint(tmp_path, seq_len=1024)
+    monkeypatch.setattr(data, "DataLoader", LongSplit)
+    LongSplit.made = []
+
+    def stop(*args):
+        raise Stop
+    monkeypatch.setattr(ev, "estimate", stop)
+    with pytest.raises(Stop):
+        ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=bpb", "--val_files=shard_00249.parquet"])
+    assert LongSplit.made == [(r, 4, 4, 1024, False) for r in range(4)]
+    assert 4 * 4 * 1280 * 1024 == 40 * 2**19 == 20_971_520
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan bpb"))
+    assert plan == ("plan bpb    20,971,520 tokens of shard_00249.parquet (as the authors' 4 ranks x batch 4 cut it); "
+                    "2,560 forwards of 8 x 1024 at K=12")
 
 
 def slow_forwards(monkeypatch, seconds, log=None):
