@@ -1,8 +1,13 @@
-"""Tests for report.py: Table 1's cells and layout, from eval.json-style results, and that it
-imports without torch (plot.py runs without it)."""
+"""Tests for report.py: Table 1's cells and layout from eval.json-style results, eval.json and
+eval.md, eval.py's command line and its plan-then-run, with stand-in modes; and that it imports
+without torch (plot.py runs without it)."""
+import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 import report
 
@@ -38,3 +43,88 @@ def test_imports_without_torch():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert p.stdout == "ok\n", p.stderr
+
+
+# ----------------------------------------------------------------------------- eval.py's run
+DEFAULTS = dict(modes="bpb", loops="1", exit_thresholds="", batch_size=8, bpb_tokens=10, protocol_ranks=4,
+                protocol_batch=4)
+MODES = ("bpb", "wiki", "core", "sample", "exit")
+
+
+def test_parse_orders_modes_and_loops_and_names_bad_settings():
+    ckpt, c, modes, loops, thresholds = report.parse(
+        ["out/run", "--modes=exit, bpb,exit", "--loops=6,1,6,3", "--exit_thresholds=0.1,0"], DEFAULTS, "eval.py", MODES)
+    assert (ckpt, modes, loops, thresholds, c.batch_size) == ("out/run", ["bpb", "exit"], [1, 3, 6], [0.1, 0.0], 8)
+    assert DEFAULTS["modes"] == "bpb"  # the defaults are not changed
+    bad = {"--modes=bpb,ppl": "--modes='bpb,ppl': expected a comma-separated subset of bpb,wiki,core,sample,exit",
+           "--loops=1,0": "--loops='1,0': expected comma-separated integers >= 1",
+           "--exit_thresholds=0.1": "--exit_thresholds='0.1': the exit mode needs, and only it takes",
+           "--batch_size=0": "--batch_size=0: expected a positive integer"}
+    for arg, message in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            report.parse(["out/run", arg], DEFAULTS, "eval.py", MODES)
+    with pytest.raises(ValueError, match="usage: python eval.py <checkpoint dir>"):
+        report.parse(["--loops=3"], DEFAULTS, "eval.py", MODES)
+
+
+class Numerics:
+    """A context manager that counts how often it was entered."""
+    entered = 0
+
+    def __enter__(self):
+        Numerics.entered += 1
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_run_modes_plans_first_runs_the_rest_and_saves_after_each_mode():
+    """A mode whose plan raises and one whose run raises are reported; the others run in the
+    numerics, each result merged by K and saved after its mode; the estimate sees only the planned."""
+    lines, saved, calls, Numerics.entered = [], [], [], 0
+
+    def plan(name, fail_plan=False, fail_run=False):
+        def planned():
+            calls.append(f"plan {name}")
+            if fail_plan:
+                raise OSError(f"{name}: no network")
+
+            def run():
+                calls.append(f"run {name}")
+                if fail_run:
+                    raise RuntimeError(f"{name} broke")
+                return {1: {name: 1.0}, 3: {name: 3.0}}, {"tokens": len(name)}
+            return f"{name} inputs", 2, run
+        return planned
+    plans = {"bpb": plan("bpb"), "wiki": plan("wiki", fail_plan=True), "core": plan("core", fail_run=True),
+             "sample": plan("sample")}
+    results, measured, failed = report.run_modes(
+        plans, lambda planned: {m: 30.0 * n for m, (_, n, _) in planned.items()}, Numerics(),
+        lambda results, measured: saved.append((json.dumps(results), dict(measured))), [1, 3, 6],
+        lambda line, **kw: lines.append(line))
+    assert calls == ["plan bpb", "plan wiki", "plan core", "plan sample", "run bpb", "run core", "run sample"]
+    assert lines[:5] == ["plan bpb    bpb inputs", "plan wiki   cannot run: wiki: no network", "plan core   core inputs",
+                         "plan sample sample inputs",
+                         "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; in all ~3.0 min"]
+    assert lines[5] == "eval.py: mode 'core' failed: core broke" and Numerics.entered == 3
+    assert results == {1: {"bpb": 1.0, "sample": 1.0}, 3: {"bpb": 3.0, "sample": 3.0}, 6: {}}
+    assert measured == {"bpb": {"tokens": 3}, "sample": {"tokens": 6}} and list(failed) == ["wiki", "core"]
+    assert [m for _, m in saved] == [{"bpb": {"tokens": 3}}, measured]  # after bpb, after sample
+    assert json.loads(saved[0][0]) == {"1": {"bpb": 1.0}, "3": {"bpb": 3.0}, "6": {}}
+    closing = report.failures(failed, 4, "x/eval.json", measured)
+    assert closing.startswith("eval.py: 2 of 4 modes could not run: wiki, core (why: above). "
+                              "Saved in x/eval.json: ['bpb', 'sample'].")
+    assert closing.endswith("--wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>, --bundle_dir=<unpacked eval_bundle>")
+
+
+def test_write_results_writes_eval_json_and_eval_md_beside_it():
+    written = {}
+    results = {1: {"val_bpb": 1.25}, 3: {}}
+    report.write_results("run/step_000010/eval.json", {"checkpoint": "run/step_000010", "step": 10}, results,
+                         {"bpb": {"tokens": 7}}, write=written.__setitem__)
+    md = "| K | Wiki2 ppl | val bpb | CORE | LMB | PIQA | Hella | OPQA | ARC-E | ARC-C | Avg |\n" + \
+         "|---|---|---|---|---|---|---|---|---|---|---|\n| 1 |  | 1.250 |" + "  |" * 8 + "\n| 3 |" + "  |" * 10 + "\n"
+    assert written["run/step_000010/eval.md"] == md
+    assert json.loads(written["run/step_000010/eval.json"]) == {
+        "checkpoint": "run/step_000010", "step": 10, "measured": {"bpb": {"tokens": 7}},
+        "results": {"1": {"val_bpb": 1.25}, "3": {}}, "table": md}
