@@ -103,9 +103,10 @@ def test_run_modes_plans_first_runs_the_rest_and_saves_after_each_mode():
         lambda results, measured: saved.append((json.dumps(results), dict(measured))), [1, 3, 6],
         lambda line, **kw: lines.append(line))
     assert calls == ["plan bpb", "plan wiki", "plan core", "plan sample", "run bpb", "run core", "run sample"]
-    assert lines[:5] == ["plan bpb    bpb inputs", "plan wiki   cannot run: wiki: no network", "plan core   core inputs",
-                         "plan sample sample inputs",
-                         "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; in all ~3.0 min"]
+    assert lines[:5] == ["plan bpb    bpb inputs", "plan wiki   cannot run: wiki: no network",
+                         "plan core   core inputs", "plan sample sample inputs",
+                         "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; "
+                         "in all ~3.0 min"]
     assert lines[5] == "eval.py: mode 'core' failed: core broke" and Numerics.entered == 3
     assert results == {1: {"bpb": 1.0, "sample": 1.0}, 3: {"bpb": 3.0, "sample": 3.0}, 6: {}}
     assert measured == {"bpb": {"tokens": 3}, "sample": {"tokens": 6}} and list(failed) == ["wiki", "core"]
@@ -114,7 +115,8 @@ def test_run_modes_plans_first_runs_the_rest_and_saves_after_each_mode():
     closing = report.failures(failed, 4, "x/eval.json", measured)
     assert closing.startswith("eval.py: 2 of 4 modes could not run: wiki, core (why: above). "
                               "Saved in x/eval.json: ['bpb', 'sample'].")
-    assert closing.endswith("--wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>, --bundle_dir=<unpacked eval_bundle>")
+    assert closing.endswith("local files: --wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>, "
+                            "--bundle_dir=<unpacked eval_bundle>")
 
 
 def test_write_results_writes_eval_json_and_eval_md_beside_it():
