@@ -6,7 +6,6 @@ Every module-level variable below is a setting: a config file (positional) overr
 them, --key=value overrides both (configurator.py). The defaults are the CPU smoke test;
 config/paper.py holds the paper's recipe (SPEC 6).
 """
-import json
 import math
 import os
 import sys
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import checkpoint
 import corpus
 import data
+import diagnostics
 from configurator import configure
 import eval as evaluation
 from model import GPT, GPTConfig
@@ -144,7 +144,7 @@ byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.
 core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fetched before the group started
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
-ckpt_path, monitor = None, {"ema": None, "best": math.inf, "above": 0}
+ckpt_path, monitor = None, diagnostics.NEW_MONITOR
 if resume:
     ckpt_path, meta = checkpoint.load_newest(out_dir, device, world_size, log=print0)
     step, changed = meta["step"], planning.resume_changes(meta["settings"], settings, ckpt_path)
@@ -185,27 +185,8 @@ if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                          state=loader_state)
-
-
-# Pre-clip gradient norms of the modules the paper's Figures 3 and 8 follow (SPEC 5).
-mid = watch_layer if watch_layer >= 0 else min(4, config.n_layer - 1)
-watched = {"mlp_first": model.transformer.h[0].mlp, "lm_head": model.lm_head,
-           "mlp_mid": model.transformer.h[mid].mlp, "attn_mid": model.transformer.h[mid].attn}
-
-
+watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8 (SPEC 5)
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
-
-
-@torch.no_grad()
-def clipped_norms():
-    """The watched modules' gradient norms as the authors' diagnostic script (scripts/base_check.py)
-    logs them: of rank 0's own gradient (before the ranks are averaged), after clip_grad_norm_ with
-    its own total norm. The paper's figures say "before clipping": the grad_<module> keys."""
-    sq = {p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None}
-    parts = torch.stack([sum(sq.values())] + [sum(sq[p] for p in m.parameters()) for m in watched.values()])
-    total, *module = parts.sqrt().tolist()
-    coef = clip_coefficient(total, grad_clip)
-    return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, module)}
 
 
 def validate(n_tokens):
@@ -243,18 +224,7 @@ def save(it):
 
 
 # ----------------------------------------------------------------------------- training
-log = None
-if master:
-    runtime.atomic_write(os.path.join(out_dir, "settings.json"), json.dumps(settings | {"num_steps": num_steps}, indent=1))
-    log = open(os.path.join(out_dir, "log.jsonl"), "a")
-
-
-def write_log(record):
-    if log:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
-
+log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps})
 bptt = None if bptt_loops == -1 else bptt_loops
 peak, last_good = planning.peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
 while True:
@@ -292,15 +262,15 @@ while True:
         dist.all_reduce(stats)
     train_loss, resid = stats[0].item() / world_size, stats[1].item()
     if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
-        record.update(clipped_norms())
+        record.update(diagnostics.clipped_norms(model, watched, grad_clip))
     norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
     total_norm = math.sqrt(sum(norms.values()))
     if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves
-        write_log({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
+        log.write({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
         stop(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
              f"stopped before the optimizer step, so the parameters were not updated. Last good "
              f"checkpoint: {last_good or 'none yet'}", 1)
-    record.update({f"grad_{k}": math.sqrt(sum(norms[p] for p in m.parameters())) for k, m in watched.items()})
+    record.update(diagnostics.module_norms(norms, watched))
     record["grad_norm"] = total_norm
     clip = clip_coefficient(total_norm, grad_clip)  # of the rank-averaged gradient
     lrm = lr_multiplier(step, num_steps, warmdown_frac)
@@ -325,22 +295,19 @@ while True:
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
     print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | K {K} | lrm {lrm:.2f} | "
            f"grad {record['grad_norm']:.2f} | resid {record['resid_norms'][-1]:.1f} | {tok_per_s:,.0f} tok/s{mfu}")
-    write_log(record)
+    log.write(record)
     # Divergence: the smoothed loss far above its running minimum for divergence_window steps.
-    monitor["ema"] = record["loss"] if monitor["ema"] is None else 0.9 * monitor["ema"] + 0.1 * record["loss"]
-    monitor["best"] = min(monitor["best"], monitor["ema"])
-    monitor["above"] = monitor["above"] + 1 if monitor["ema"] > monitor["best"] + divergence_nats else 0
+    monitor = diagnostics.divergence(monitor, record["loss"], divergence_nats)
     if divergence_window and monitor["above"] >= divergence_window:
-        write_log({"step": step, "diverged": True, "loss": record["loss"]})
+        log.write({"step": step, "diverged": True, "loss": record["loss"]})
         stop(f"step {step}: diverged: the smoothed loss {monitor['ema']:.3f} has been more than "
              f"divergence_nats={divergence_nats} above its minimum {monitor['best']:.3f} for "
              f"{monitor['above']} steps (divergence_window={divergence_window}). Last good checkpoint: "
              f"{last_good or 'none yet'}", 3)
     step += 1
 
-write_log(record)
-if log:
-    log.close()
+log.write(record)
+log.close()
 if master and sample_tokens > 0:
     with autocast:
         print0("sample:", repr(runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50, seed=seed)))
