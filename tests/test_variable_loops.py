@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from model import GPT, norm, restart
 from optim import sample_loops
 from test_model import ATTENTION, VARIANTS, make_config, make_model, random_tokens
-from test_train import RUNNER, losses, train
+from test_train import losses, runner, train
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -195,14 +195,12 @@ RECORD_LOOPS = textwrap.dedent("""
 
 def test_sampled_loops_same_on_every_rank_and_after_resume(tmp_path, monkeypatch):
     data_dir = str(tmp_path / "data")
-    script = tmp_path / "runner.py"
-    script.write_text(RUNNER.format(patch=RECORD_LOOPS))
     args = ["--num_steps=8", "--save_interval=4", "--total_batch_size=256", "--sample_tokens=0",
             "--loops_sampler=uniform", "--loops_min=1", "--loops_max=5", "--bptt_loops=2"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     os.makedirs(full)
     monkeypatch.setenv("SPY_DIR", str(full))
-    train(full, data_dir, *args, script=str(script), nproc=2)
+    train(full, data_dir, *args, script=runner(tmp_path, RECORD_LOOPS), nproc=2)
     want = [sample_loops("uniform", s, 1337, 3, 1, 5) for s in range(8)]
     for rank in (0, 1):
         assert (full / f"loops_rank{rank}.txt").read_text().split("\n")[:-1] == [f"{k} 2" for k in want]
@@ -212,7 +210,7 @@ def test_sampled_loops_same_on_every_rank_and_after_resume(tmp_path, monkeypatch
     os.makedirs(cut)
     shutil.copytree(full / "step_000004", cut / "step_000004")
     monkeypatch.setenv("SPY_DIR", str(cut))
-    train(cut, data_dir, *args, "--resume", script=str(script), nproc=2)
+    train(cut, data_dir, *args, "--resume", script=runner(tmp_path, RECORD_LOOPS), nproc=2)
     got, records = losses(cut)
     assert [r["loops"] for r in records if "loss" in r] == want[4:]
     assert [got[s] for s in range(4, 8)] == [by_step[s] for s in range(4, 8)]
