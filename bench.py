@@ -26,7 +26,7 @@ import data
 from configurator import configure
 from model import GPT, config_for_depth
 from planning import peak_flops
-from runtime import precision
+from runtime import precision, resolve_dtype
 from optim import build_optimizers
 
 mode = "ratios"             # ratios | train | memory | loader (memory_step: one memory run)
@@ -50,7 +50,7 @@ data_dir = "data"           # loader mode
 seconds = 5.0               # loader mode
 configure(globals(), sys.argv[1:])
 cuda = device.startswith("cuda")
-dtype = ("bf16" if cuda else "fp32") if dtype == "auto" else dtype
+dtype = resolve_dtype(dtype, "cuda" if cuda else "cpu")
 COMPILE_MODES = ("eager", "regional", "whole")
 if compile_mode not in COMPILE_MODES:
     raise ValueError(f"compile_mode={compile_mode!r}: expected one of {COMPILE_MODES}")

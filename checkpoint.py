@@ -127,6 +127,15 @@ def load_rank_state(step_dir, rank, device="cpu"):
     return _load(os.path.join(step_dir, f"rank{rank}.pt"), device)
 
 
+def set_aside_newer(out_dir, step, log=print):
+    """Rename the checkpoints newer than `step` (those load_newest skipped as unreadable) to
+    <name>.unreadable: they must not outrank the ones a resumed run writes."""
+    for s, path in list_checkpoints(out_dir):
+        if s > step:
+            os.replace(path, path + ".unreadable")
+            log(f"moved the unreadable {path} aside to {path}.unreadable")
+
+
 def _save(obj, path):
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -165,11 +174,16 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=lambda: 
     return final
 
 
+def check_keep(keep):
+    """keep_checkpoints: train.py checks it before a run starts, prune whenever it deletes."""
+    if keep < 0:
+        raise ValueError(f"keep_checkpoints={keep}: expected >= 1, or 0 to keep every checkpoint")
+
+
 def prune(out_dir, keep, keep_every=0):
     """Delete all but the newest `keep` checkpoints (0 = keep all); the newest always stays, and so
     do steps that are multiples of keep_every (> 0), e.g. the points of a curve over training."""
-    if keep < 0:
-        raise ValueError(f"keep_checkpoints={keep}: expected >= 1, or 0 to keep every checkpoint")
+    check_keep(keep)
     if keep == 0:
         return
     for step, path in list_checkpoints(out_dir)[:-keep]:

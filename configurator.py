@@ -6,6 +6,8 @@ A config file (positional) overrides the defaults, each --key=value overrides bo
 import ast
 import types
 
+from usage import describe
+
 SETTING_TYPES = (bool, int, float, str, type(None))
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -34,39 +36,8 @@ def _parse(key, raw, default, source):
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        if default is not None:
-            raise ValueError(f"{source}: setting {key!r} expects {type(default).__name__}, "
-                             f"got {raw!r}") from None
-        value = raw                      # a None default accepts a bare string
+        value = raw                      # a bare string: only a None default takes it (_checked)
     return _checked(key, value, default, source)
-
-
-def describe(path, defaults):
-    """--help: every setting of the script at path with its default and its comment, under the
-    comment lines that group them in the file."""
-    lines = open(path).read().splitlines()
-    spans = {}
-    for node in ast.parse("\n".join(lines)).body:  # the block of settings: from the first to the next code
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in defaults:
-            spans[node.lineno] = node
-        elif spans and not isinstance(node, (ast.Import, ast.ImportFrom)):
-            break
-    if not spans:
-        return f"{path}: no settings"
-    out, first, last = [f"{path}: settings (defaults; a config file, then --key=value, override them)"], min(spans), \
-        max(node.end_lineno for node in spans.values())
-    while first > 1 and lines[first - 2].startswith("#"):  # the headings above the first setting
-        first -= 1
-    for number, line in enumerate(lines[first - 1:last], start=first):
-        text = line.strip()
-        if number in spans:
-            key, comment = spans[number].targets[0].id, line.partition("#")[2].strip()
-            out.append(f"  --{key}={defaults[key]!r}".ljust(34) + f" {comment}".rstrip())
-        elif text.startswith("#") and line.startswith("#"):  # a group heading
-            out.append(text.lstrip("# -").strip() or "")
-        elif text.startswith("#"):  # the comment of the setting above goes on
-            out[-1] += " " + text.lstrip("# ")
-    return "\n".join(line for line in out if line)
 
 
 def configure(namespace, argv, source=None):
@@ -78,23 +49,22 @@ def configure(namespace, argv, source=None):
         print(describe(source or namespace["__file__"], defaults))
         raise SystemExit(0)
     for arg in argv:
-        if not arg.startswith("--"):
-            if not arg.endswith(".py"):
-                raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")
+        if arg.startswith("--"):
+            key, sep, raw = arg[2:].partition("=")
+            if key not in defaults:
+                raise ValueError(f"--{key}: unknown setting {key!r}; known: {', '.join(sorted(defaults))}")
+            if not sep and not isinstance(defaults[key], bool):
+                raise ValueError(f"--{key}: expected --{key}=value")
+            namespace[key] = _parse(key, raw, defaults[key], f"--{key}") if sep else True
+        elif arg.endswith(".py"):
             scope = {}
             with open(arg) as f:  # FileNotFoundError names the file
                 exec(compile(f.read(), arg, "exec"), scope)
-            for key, value in scope.items():
-                if key.startswith("_") or isinstance(value, types.ModuleType):
-                    continue  # builtins, and imports a config file may use
-                if key not in defaults:
-                    raise ValueError(f"{arg}: unknown setting {key!r}")
-                namespace[key] = _checked(key, value, defaults[key], arg)
-            continue
-        key, sep, raw = arg[2:].partition("=")
-        if key not in defaults:
-            raise ValueError(f"--{key}: unknown setting {key!r}; known: {', '.join(sorted(defaults))}")
-        if not sep and not isinstance(defaults[key], bool):
-            raise ValueError(f"--{key}: expected --{key}=value")
-        namespace[key] = _parse(key, raw, defaults[key], f"--{key}") if sep else True
+            for key, value in scope.items():  # builtins and the imports a config file may use are skipped
+                if not key.startswith("_") and not isinstance(value, types.ModuleType):
+                    if key not in defaults:
+                        raise ValueError(f"{arg}: unknown setting {key!r}")
+                    namespace[key] = _checked(key, value, defaults[key], arg)
+        else:
+            raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")
     return settings_of({k: namespace[k] for k in defaults})

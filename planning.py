@@ -5,9 +5,17 @@ What a run will cost before it starts (the memory estimate, accelerators' peak F
 resumed run may change, the run directory's name, the horizon).
 """
 import math
+import os
 from collections import Counter
 
-from runtime import dtype_bytes
+import torch
+
+import checkpoint
+import corpus
+import data
+from model import GPT, config_for_depth
+from optim import LOOP_SAMPLERS
+from runtime import dtype_bytes, resolve_dtype
 
 # ---------------------------------------------------------------------------- memory and accelerators
 
@@ -75,3 +83,168 @@ def peak_flops(name):
 
 
 # ---------------------------------------------------------------------------- train.py's settings
+# The functions below take train.py's settings (the dict configure returns, or any mapping of them)
+# and return or raise; train.py calls them before any data, model or process group exists.
+
+# Settings a resumed run may change (bookkeeping); everything else must match the checkpoint.
+RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
+             "final_eval_tokens", "save_interval", "keep_checkpoints", "keep_every", "sample_tokens", "device",
+             "compile", "dtype", "data_dir", "divergence_window", "divergence_nats", "dist_timeout", "dry_run",
+             "gpu"}
+
+
+def check_settings(s, defaults):
+    """ValueErrors that name the setting: values out of range, and settings that would do nothing (set
+    to other than their `defaults` where nothing reads them). A value checked where it is used is not
+    checked again here: device (runtime.setup), dtype (runtime.resolve_dtype), the model's shape
+    (GPTConfig), bptt_loops (the model's forward); keep_checkpoints by checkpoint.check_keep."""
+    def bad(key, allowed):
+        raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
+    for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
+                "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
+                "core_max_per_task"):
+        if s[key] < 1:
+            bad(key, "a positive integer")
+    for key in ("keep_every", "core_interval", "divergence_window"):
+        if s[key] < 0:
+            bad(key, "an integer >= 0 (0 = off / keep all)")
+    checkpoint.check_keep(s["keep_checkpoints"])
+    for key in ("n_kv_head", "num_steps", "num_shards", "watch_layer"):
+        if s[key] == 0 or s[key] < -1:
+            bad(key, "-1 (automatic) or a positive integer" if key != "watch_layer" else "-1 or a layer index")
+    if s["watch_layer"] >= s["depth"]:
+        bad("watch_layer", f"a layer index below depth={s['depth']}, or -1")
+    for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
+                         ("horizon_params", ("all", "non_embedding")), ("loops_sampler", LOOP_SAMPLERS)):
+        if s[key] not in allowed:
+            bad(key, " or ".join(map(repr, allowed)))
+    sampler, fixed = s["loops_sampler"], s["loops_sampler"] == "fixed"
+    if sampler == "uniform" and not 1 <= s["loops_min"] <= s["loops_max"]:
+        bad("loops_max", f"an integer >= loops_min={s['loops_min']} >= 1 with loops_sampler='uniform'")
+    if sampler == "lognormal_poisson" and s["loops"] < 2:
+        bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
+    if s["divergence_nats"] <= 0:
+        bad("divergence_nats", "a positive number of nats")
+    # A setting that would do nothing is a mistake in the command, not something to ignore.
+    for key, inert, why in (("kv_rank", s["attn"] != "mla", "unless attn='mla'"),
+                            ("horizon_params", s["num_steps"] != -1, "unless num_steps=-1"),
+                            ("num_shards", s["dataset"] != "fineweb", "unless dataset='fineweb'"),
+                            ("bpe_vocab_size", s["tokenizer"] != "bpe", "unless tokenizer='bpe'"),
+                            ("divergence_nats", s["divergence_window"] == 0, "unless divergence_window > 0"),
+                            ("loss_all_loops", s["loops"] == 1 and fixed, "with loops=1"),
+                            ("variant", s["loops"] == 1 and fixed, "with loops=1 (one loop is the plain transformer)"),
+                            ("core_max_per_task", s["core_interval"] == 0, "unless core_interval > 0"),
+                            ("bundle_dir", s["core_interval"] == 0, "unless core_interval > 0"),
+                            ("out_root", s["out_dir"] != "", "when out_dir is given"),
+                            ("gpu", not s["dry_run"], "unless dry_run=True"),
+                            ("loops_min", sampler != "uniform", "unless loops_sampler='uniform'"),
+                            ("loops_max", fixed, "with loops_sampler='fixed'"),
+                            ("bptt_loops", fixed and s["bptt_loops"] >= s["loops"],
+                             "with loops_sampler='fixed' unless below loops")):
+        if inert and s[key] != defaults[key]:
+            raise ValueError(f"{key}={s[key]!r} does nothing {why}: remove it, or set what it needs")
+
+
+def resume_changes(saved, s, path):
+    """The settings that differ from those saved in the checkpoint at path (in their saved order); a
+    ValueError if any is outside RESUMABLE: the model, the data and the recipe stay as they were."""
+    changed = [k for k, v in saved.items() if s.get(k) != v]
+    if refused := [k for k in changed if k not in RESUMABLE]:
+        raise ValueError(f"--resume: settings {refused} differ from the checkpoint {path}; "
+                         f"only {sorted(RESUMABLE)} may change")
+    return changed
+
+
+def run_dir(s):
+    """out_dir, or out_root/<size>_<variant>_k<loops>[_<attention>][_<sampler>], e.g. out/base_flt_k9: one
+    directory per run, named by what makes it different, so a grid of runs never collides."""
+    if s["out_dir"]:
+        return s["out_dir"]
+    size = {6: "small", 12: "base"}.get(s["depth"], f"d{s['depth']}")
+    attention = (f"_gqa{s['n_kv_head']}" if s["n_kv_head"] != -1 else "") + ("_mla" if s["attn"] == "mla" else "") + \
+        (f"_swa_{s['window_pattern']}" if s["window_pattern"] != "L" else "") + \
+        (f"_{s['loops_sampler']}" if s["loops_sampler"] != "fixed" else "")
+    return os.path.join(s["out_root"], f"{size}_{s['variant'].lower()}_k{s['loops']}{attention}")
+
+
+def model_config(s, vocab_size):
+    """The GPTConfig of the settings (config_for_depth: the paper's shape from depth)."""
+    return config_for_depth(s["depth"], sequence_len=s["sequence_len"], vocab_size=vocab_size, loops=s["loops"],
+                            variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
+                            window_pattern=s["window_pattern"], loss_all_loops=s["loss_all_loops"],
+                            checkpoint_loops=s["checkpoint_loops"],
+                            **({} if s["n_kv_head"] == -1 else {"n_kv_head": s["n_kv_head"]}))
+
+
+def size_and_horizon(s, config):
+    """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): SPEC 6's
+    horizon, tokens = 20 x parameters, counting all of them as the authors' code does or, with
+    horizon_params, only those outside the token embedding as the appendix says (README)."""
+    with torch.device("meta"):  # counts and estimates without spending memory
+        model = GPT(config)
+    n_params = model.num_params()
+    horizon = {"all": n_params, "non_embedding": n_params - config.padded_vocab * config.n_embd}
+    steps = s["num_steps"]
+    if steps == -1:
+        steps = max(1, 20 * horizon[s["horizon_params"]] // s["total_batch_size"])
+    return model, horizon, steps
+
+
+def grad_accum(s, world_size):
+    """Forwards per rank and optimizer step: total_batch_size in forwards of device_batch_size sequences
+    on every rank; a ValueError unless they divide it."""
+    tokens_per_fwd = s["device_batch_size"] * s["sequence_len"] * world_size
+    if s["total_batch_size"] % tokens_per_fwd:
+        raise ValueError(f"total_batch_size={s['total_batch_size']} is not a multiple of device_batch_size * "
+                         f"sequence_len * world_size = {tokens_per_fwd}")
+    return s["total_batch_size"] // tokens_per_fwd
+
+
+def training_shards(s, tokens):
+    """FineWeb-Edu training shards to fetch: num_shards, or -1: enough for `tokens`. Too few for the
+    horizon is said up front; the loader says again when it starts a second pass."""
+    n = s["num_shards"] if s["num_shards"] > 0 else corpus.shards_for_tokens(tokens)
+    if tokens > n * corpus.SHARD_TOKENS:
+        print(f"warning: {tokens:.3e} training tokens from {n} shards of ~{corpus.SHARD_TOKENS:.2g} tokens: the run "
+              f"will see its data more than once (num_shards={s['num_shards']})", flush=True)
+    return n
+
+
+def plan(s, world_size=1):
+    """--dry_run: what the run costs, from the settings alone (nothing is downloaded or trained), as
+    text: size, horizon, FLOPs, data, memory per GPU and hours on world_size GPUs (one process: 8)."""
+    tokenizer = s["tokenizer"]
+    if tokenizer == "bpe" or os.path.isfile(tokenizer):
+        vocab = s["bpe_vocab_size"] if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
+    elif "qwen3" in tokenizer.lower():
+        vocab = data.QWEN3_VOCAB
+    else:
+        raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
+    config = model_config(s, vocab)
+    model, horizon, steps = size_and_horizon(s, config)
+    batch, other = s["total_batch_size"], "non_embedding" if s["horizon_params"] == "all" else "all"
+    tokens, gpus = steps * batch, world_size if world_size > 1 else 8
+    name = s["gpu"] or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
+    flops = model.estimate_flops()
+    dtype = resolve_dtype(s["dtype"], "cuda")  # the plan is for GPUs
+    gib = {(c, k): estimate_memory(model, s["device_batch_size"], dtype, compiled=c, checkpoint_loops=k,
+                                   world_size=gpus)["total"] / 2**30
+           for c in (False, True) for k in (False, True)}
+    shards = training_shards(s, tokens) if s["dataset"] == "fineweb" else 0
+    peak = peak_flops(name)
+    hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
+    return (f"run plan for {s['out_dir']} (nothing downloaded or trained)\n"
+            f"  model       {config.variant}, K={config.loops}, depth {s['depth']}, vocab {vocab:,} (padded "
+            f"{config.padded_vocab:,})\n"
+            f"  parameters  {horizon['all']:,} all, {horizon['non_embedding']:,} without the token embedding\n"
+            f"  horizon     {steps:,} steps x {batch:,} tokens = {tokens:.3e} tokens "
+            f"(horizon_params={s['horizon_params']!r}; the other count: {20 * horizon[other] // batch:,} steps)\n"
+            f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
+            f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
+                                 f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "
+                                 f"for {tokens:.2e}" if shards else "the embedded corpus") + "\n"
+            f"  memory/GPU  device_batch_size={s['device_batch_size']}, {dtype}, {gpus} GPUs (estimate, GiB):\n"
+            f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
+            f"compiled {gib[True, False]:.1f}, checkpoint_loops {gib[True, True]:.1f}\n"
+            f"  time        " + (f"{gpus} x {name}: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%"
+                                 if peak else f"unknown accelerator {name!r} (--gpu=H100, A100, ...)"))

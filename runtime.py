@@ -2,7 +2,8 @@
 
     rt = runtime.setup(device)        # torchrun's rank/world, the device (errors name the setting)
     runtime.init_group(rt, timeout)   # the process group, once data is prepared (train.py)
-    autocast = runtime.precision(model, rt.device_type, "bf16")
+    dtype = runtime.resolve_dtype(dtype, rt.device_type)   # "auto" = bf16 on CUDA, fp32 elsewhere
+    autocast = runtime.precision(model, rt.device_type, dtype)
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
     runtime.sample(model, tokenizer, "The", 64, loops=3)
@@ -93,10 +94,18 @@ def stop(rt, message, code):
 
 
 def dtype_bytes(dtype):
-    """Bytes per element of a precision setting, "bf16" or "fp32"."""
+    """Bytes per element of a precision setting, "bf16" or "fp32": the one check of dtype."""
     if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32'")
+        raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32' (or 'auto' in train.py and bench.py: "
+                         f"bf16 on CUDA, fp32 elsewhere)")
     return 2 if dtype == "bf16" else 4
+
+
+def resolve_dtype(dtype, device_type):
+    """The precision a setting runs at: "auto" = bf16 on CUDA, fp32 elsewhere (bf16 runs on CPU too)."""
+    dtype = ("bf16" if device_type == "cuda" else "fp32") if dtype == "auto" else dtype
+    dtype_bytes(dtype)
+    return dtype
 
 
 def precision(model, device_type, dtype):

@@ -6,7 +6,6 @@ Every module-level variable below is a setting: a config file (positional) overr
 them, --key=value overrides both (configurator.py). The defaults are the CPU smoke test;
 config/paper.py holds the paper's recipe (SPEC 6).
 """
-import json
 import math
 import os
 import sys
@@ -18,14 +17,14 @@ import torch.distributed as dist
 import checkpoint
 import corpus
 import data
+import diagnostics
 from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig, config_for_depth
-from planning import estimate_memory, peak_flops
+from model import GPT, GPTConfig
+import planning
 import runtime
 from runtime import print0
-from optim import (LOOP_SAMPLERS, build_optimizers, clip_coefficient, lr_multiplier, muon_momentum,
-                   reduce_gradients, sample_loops)
+from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients, sample_loops
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -92,139 +91,8 @@ dist_timeout = 1800         # seconds a rank waits in a collective before the jo
 seed = 1337
 _defaults = dict(globals())
 settings = configure(globals(), sys.argv[1:])
-# Settings a resumed run may change; everything else must match the checkpoint.
-RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
-             "final_eval_tokens", "save_interval", "keep_checkpoints", "keep_every", "sample_tokens", "device",
-             "compile", "dtype", "data_dir", "divergence_window", "divergence_nats", "dist_timeout", "dry_run",
-             "gpu"}
-
-
-def check_settings():
-    """Errors that name the setting, before any data, model or process group exists."""
-    def bad(key, allowed):
-        raise ValueError(f"{key}={settings[key]!r}: expected {allowed}")
-    for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
-                "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
-                "core_max_per_task"):
-        if settings[key] < 1:
-            bad(key, "a positive integer")
-    for key in ("keep_checkpoints", "keep_every", "core_interval", "divergence_window"):
-        if settings[key] < 0:
-            bad(key, "an integer >= 0 (0 = off / keep all)")
-    for key in ("n_kv_head", "num_steps", "num_shards", "watch_layer", "bptt_loops"):
-        if settings[key] == 0 or settings[key] < -1:
-            bad(key, "-1 (automatic) or a positive integer" if key != "watch_layer" else "-1 or a layer index")
-    if watch_layer >= depth:
-        bad("watch_layer", f"a layer index below depth={depth}, or -1")
-    for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
-                         ("horizon_params", ("all", "non_embedding")), ("dtype", ("auto", "bf16", "fp32")),
-                         ("loops_sampler", LOOP_SAMPLERS)):
-        if settings[key] not in allowed:
-            bad(key, " or ".join(map(repr, allowed)))
-    if loops_sampler == "uniform" and not 1 <= loops_min <= loops_max:
-        bad("loops_max", f"an integer >= loops_min={loops_min} >= 1 with loops_sampler='uniform'")
-    if loops_sampler == "lognormal_poisson" and loops < 2:
-        bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
-    if divergence_nats <= 0:
-        bad("divergence_nats", "a positive number of nats")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device; "
-                         f"use --device=cpu")
-    # A setting that would do nothing is a mistake in the command, not something to ignore.
-    for key, inert, why in (("kv_rank", attn != "mla", "unless attn='mla'"),
-                            ("horizon_params", num_steps != -1, "unless num_steps=-1"),
-                            ("num_shards", dataset != "fineweb", "unless dataset='fineweb'"),
-                            ("bpe_vocab_size", tokenizer != "bpe", "unless tokenizer='bpe'"),
-                            ("divergence_nats", divergence_window == 0, "unless divergence_window > 0"),
-                            ("loss_all_loops", loops == 1 and loops_sampler == "fixed", "with loops=1"),
-                            ("variant", loops == 1 and loops_sampler == "fixed",
-                             "with loops=1 (one loop is the plain transformer)"),
-                            ("core_max_per_task", core_interval == 0, "unless core_interval > 0"),
-                            ("bundle_dir", core_interval == 0, "unless core_interval > 0"),
-                            ("out_root", out_dir != "", "when out_dir is given"),
-                            ("gpu", not dry_run, "unless dry_run=True"),
-                            ("loops_min", loops_sampler != "uniform", "unless loops_sampler='uniform'"),
-                            ("loops_max", loops_sampler == "fixed", "with loops_sampler='fixed'"),
-                            ("bptt_loops", loops_sampler == "fixed" and bptt_loops >= loops,
-                             "with loops_sampler='fixed' unless below loops")):
-        if inert and settings[key] != _defaults[key]:
-            raise ValueError(f"{key}={settings[key]!r} does nothing {why}: remove it, or set what it needs")
-
-
-def model_config(vocab_size):
-    return config_for_depth(depth, sequence_len=sequence_len, vocab_size=vocab_size, loops=loops, variant=variant,
-                            attn=attn, kv_rank=kv_rank, window_pattern=window_pattern, loss_all_loops=loss_all_loops,
-                            checkpoint_loops=checkpoint_loops, **({} if n_kv_head == -1 else {"n_kv_head": n_kv_head}))
-
-
-def size_and_horizon(config):
-    """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): SPEC 6's
-    horizon, tokens = 20 x parameters, counting all of them as the authors' code does or, with
-    horizon_params, only those outside the token embedding as the appendix says (README)."""
-    with torch.device("meta"):  # counts and estimates without spending memory
-        model = GPT(config)
-    n_params = model.num_params()
-    horizon = {"all": n_params, "non_embedding": n_params - config.padded_vocab * config.n_embd}
-    steps = max(1, 20 * horizon[horizon_params] // total_batch_size) if num_steps == -1 else num_steps
-    return model, horizon, steps
-
-
-def training_shards(tokens):
-    """FineWeb-Edu training shards to fetch: num_shards, or -1: enough for `tokens`. Too few for the
-    horizon is said up front; the loader says again when it starts a second pass."""
-    n = num_shards if num_shards > 0 else corpus.shards_for_tokens(tokens)
-    if tokens > n * corpus.SHARD_TOKENS:
-        print(f"warning: {tokens:.3e} training tokens from {n} shards of ~{corpus.SHARD_TOKENS:.2g} tokens: the run "
-              f"will see its data more than once (num_shards={num_shards})", flush=True)
-    return n
-
-
-def plan():
-    """--dry_run: what this run costs, from the settings alone: nothing is downloaded or trained."""
-    if tokenizer == "bpe" or os.path.isfile(tokenizer):
-        vocab = bpe_vocab_size if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
-    elif "qwen3" in tokenizer.lower():
-        vocab = data.QWEN3_VOCAB
-    else:
-        raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
-    config = model_config(vocab)
-    model, horizon, steps = size_and_horizon(config)
-    tokens, gpus = steps * total_batch_size, world_size if world_size > 1 else 8
-    name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
-    flops = model.estimate_flops()
-    bf16 = "bf16" if dtype in ("auto", "bf16") else "fp32"
-    gib = {(c, k): estimate_memory(model, device_batch_size, bf16, compiled=c, checkpoint_loops=k,
-                                   world_size=gpus)["total"] / 2**30
-           for c in (False, True) for k in (False, True)}
-    shards = training_shards(tokens) if dataset == "fineweb" else 0
-    peak = peak_flops(name)
-    hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
-    print(f"run plan for {out_dir} (nothing downloaded or trained)\n"
-          f"  model       {config.variant}, K={config.loops}, depth {depth}, vocab {vocab:,} (padded "
-          f"{config.padded_vocab:,})\n"
-          f"  parameters  {horizon['all']:,} all, {horizon['non_embedding']:,} without the token embedding\n"
-          f"  horizon     {steps:,} steps x {total_batch_size:,} tokens = {tokens:.3e} tokens "
-          f"(horizon_params={horizon_params!r}; the other count: "
-          f"{20 * horizon['non_embedding' if horizon_params == 'all' else 'all'] // total_batch_size:,} steps)\n"
-          f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
-          f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
-                               f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "
-                               f"for {tokens:.2e}" if shards else "the embedded corpus") + "\n"
-          f"  memory/GPU  device_batch_size={device_batch_size}, {bf16}, {gpus} GPUs (estimate, GiB):\n"
-          f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
-          f"compiled {gib[True, False]:.1f}, checkpoint_loops {gib[True, True]:.1f}\n"
-          f"  time        " + (f"{gpus} x {name}: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%"
-                               if peak else f"unknown accelerator {name!r} (--gpu=H100, A100, ...)"))
-
-
-check_settings()
-if not out_dir:  # one directory per run, named by what makes it different: a grid never collides
-    size = {6: "small", 12: "base"}.get(depth, f"d{depth}")
-    attention = (f"_gqa{n_kv_head}" if n_kv_head != -1 else "") + ("_mla" if attn == "mla" else "") + \
-        (f"_swa_{window_pattern}" if window_pattern != "L" else "") + \
-        (f"_{loops_sampler}" if loops_sampler != "fixed" else "")
-    out_dir = os.path.join(out_root, f"{size}_{variant.lower()}_k{loops}{attention}")
-    settings["out_dir"] = out_dir
+planning.check_settings(settings, _defaults)  # errors that name the setting, before any data, model or process group
+out_dir = settings["out_dir"] = planning.run_dir(settings)  # e.g. out/base_flt_k9: a grid of runs never collides
 
 # ----------------------------------------------------------------------------- setup
 rt = runtime.setup(device)
@@ -237,9 +105,10 @@ def stop(message, code):
 
 
 if dry_run:
-    plan()
+    print(planning.plan(settings, world_size))
     sys.exit(0)
-dtype = settings["dtype"] = ("bf16" if cuda else "fp32") if dtype == "auto" else dtype  # saved: eval uses it
+dtype = settings["dtype"] = runtime.resolve_dtype(dtype, rt.device_type)  # saved: eval uses it
+grad_accum = planning.grad_accum(settings, world_size)  # forwards per rank and optimizer step
 
 # The run directory: checked and locked before any minute is spent on data or the model.
 run_lock = None
@@ -257,10 +126,10 @@ elif dataset == "embedded":  # the local BPE is trained on the training shards, 
     tok = data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size, bos=bos_token)
 else:
     tok = None  # trained once the shards are here; the horizon below counts bpe_vocab_size ids
-config = model_config(tok.vocab_size if tok else bpe_vocab_size)
-_, horizon, num_steps = size_and_horizon(config)
+config = planning.model_config(settings, tok.vocab_size if tok else bpe_vocab_size)
+_, horizon, num_steps = planning.size_and_horizon(settings, config)
 if dataset == "fineweb":
-    shards = corpus.download_shards(training_shards(num_steps * total_batch_size), data_dir)
+    shards = corpus.download_shards(planning.training_shards(settings, num_steps * total_batch_size), data_dir)
 if tok is None:
     tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
@@ -271,35 +140,23 @@ if core_interval and master:
 runtime.init_group(rt, dist_timeout)
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
-tokens_per_fwd = device_batch_size * sequence_len * world_size
-if total_batch_size % tokens_per_fwd:
-    raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of device_batch_size * "
-                     f"sequence_len * world_size = {tokens_per_fwd}")
-grad_accum = total_batch_size // tokens_per_fwd
 byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.BYTE_COUNTS}
 core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fetched before the group started
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
-ckpt_path, monitor = None, {"ema": None, "best": math.inf, "above": 0}
+ckpt_path, monitor = None, diagnostics.NEW_MONITOR
 if resume:
     ckpt_path, meta = checkpoint.load_newest(out_dir, device, world_size, log=print0)
-    step = meta["step"]
-    changed = [k for k, v in meta["settings"].items() if settings.get(k) != v and k not in RESUMABLE]
-    if changed:
-        raise ValueError(f"--resume: settings {changed} differ from the checkpoint {ckpt_path}; "
-                         f"only {sorted(RESUMABLE)} may change")
+    step, changed = meta["step"], planning.resume_changes(meta["settings"], settings, ckpt_path)
     if step >= num_steps:
         stop(f"--resume: {ckpt_path} is at step {step} and num_steps={num_steps}: nothing to do "
              f"(raise --num_steps to train further); checkpoints untouched", 0 if step == num_steps else 2)
-    print0(f"resuming from {ckpt_path} (step {step})")
+    print0(f"resuming from {ckpt_path} (step {step}); settings changed: {', '.join(changed)}")
     with torch.device(device):
         model = GPT(GPTConfig(**meta["config"]))
     model.load_state_dict(meta["model"])
     if master:  # newer but unreadable checkpoints must not outrank the ones this run will write
-        for s, path in checkpoint.list_checkpoints(out_dir):
-            if s > step:
-                os.replace(path, path + ".unreadable")
-                print0(f"moved the unreadable {path} aside to {path}.unreadable")
+        checkpoint.set_aside_newer(out_dir, step, log=print0)
 else:
     with torch.device(device):
         model = GPT(config)
@@ -328,27 +185,8 @@ if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                          state=loader_state)
-
-
-# Pre-clip gradient norms of the modules the paper's Figures 3 and 8 follow (SPEC 5).
-mid = watch_layer if watch_layer >= 0 else min(4, config.n_layer - 1)
-watched = {"mlp_first": model.transformer.h[0].mlp, "lm_head": model.lm_head,
-           "mlp_mid": model.transformer.h[mid].mlp, "attn_mid": model.transformer.h[mid].attn}
-
-
+watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8 (SPEC 5)
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
-
-
-@torch.no_grad()
-def clipped_norms():
-    """The watched modules' gradient norms as the authors' diagnostic script (scripts/base_check.py)
-    logs them: of rank 0's own gradient (before the ranks are averaged), after clip_grad_norm_ with
-    its own total norm. The paper's figures say "before clipping": the grad_<module> keys."""
-    sq = {p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None}
-    parts = torch.stack([sum(sq.values())] + [sum(sq[p] for p in m.parameters()) for m in watched.values()])
-    total, *module = parts.sqrt().tolist()
-    coef = clip_coefficient(total, grad_clip)
-    return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, module)}
 
 
 def validate(n_tokens):
@@ -386,20 +224,9 @@ def save(it):
 
 
 # ----------------------------------------------------------------------------- training
-log = None
-if master:
-    runtime.atomic_write(os.path.join(out_dir, "settings.json"), json.dumps(settings | {"num_steps": num_steps}, indent=1))
-    log = open(os.path.join(out_dir, "log.jsonl"), "a")
-
-
-def write_log(record):
-    if log:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
-
+log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps})
 bptt = None if bptt_loops == -1 else bptt_loops
-peak, last_good = peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
+peak, last_good = planning.peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves
     record = {"step": step}
@@ -435,15 +262,15 @@ while True:
         dist.all_reduce(stats)
     train_loss, resid = stats[0].item() / world_size, stats[1].item()
     if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
-        record.update(clipped_norms())
+        record.update(diagnostics.clipped_norms(model, watched, grad_clip))
     norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
     total_norm = math.sqrt(sum(norms.values()))
     if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves
-        write_log({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
+        log.write({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
         stop(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
              f"stopped before the optimizer step, so the parameters were not updated. Last good "
              f"checkpoint: {last_good or 'none yet'}", 1)
-    record.update({f"grad_{k}": math.sqrt(sum(norms[p] for p in m.parameters())) for k, m in watched.items()})
+    record.update(diagnostics.module_norms(norms, watched))
     record["grad_norm"] = total_norm
     clip = clip_coefficient(total_norm, grad_clip)  # of the rank-averaged gradient
     lrm = lr_multiplier(step, num_steps, warmdown_frac)
@@ -468,22 +295,19 @@ while True:
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
     print0(f"step {step:5d}/{num_steps} | loss {record['loss']:.4f} | K {K} | lrm {lrm:.2f} | "
            f"grad {record['grad_norm']:.2f} | resid {record['resid_norms'][-1]:.1f} | {tok_per_s:,.0f} tok/s{mfu}")
-    write_log(record)
+    log.write(record)
     # Divergence: the smoothed loss far above its running minimum for divergence_window steps.
-    monitor["ema"] = record["loss"] if monitor["ema"] is None else 0.9 * monitor["ema"] + 0.1 * record["loss"]
-    monitor["best"] = min(monitor["best"], monitor["ema"])
-    monitor["above"] = monitor["above"] + 1 if monitor["ema"] > monitor["best"] + divergence_nats else 0
+    monitor = diagnostics.divergence(monitor, record["loss"], divergence_nats)
     if divergence_window and monitor["above"] >= divergence_window:
-        write_log({"step": step, "diverged": True, "loss": record["loss"]})
+        log.write({"step": step, "diverged": True, "loss": record["loss"]})
         stop(f"step {step}: diverged: the smoothed loss {monitor['ema']:.3f} has been more than "
              f"divergence_nats={divergence_nats} above its minimum {monitor['best']:.3f} for "
              f"{monitor['above']} steps (divergence_window={divergence_window}). Last good checkpoint: "
              f"{last_good or 'none yet'}", 3)
     step += 1
 
-write_log(record)
-if log:
-    log.close()
+log.write(record)
+log.close()
 if master and sample_tokens > 0:
     with autocast:
         print0("sample:", repr(runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50, seed=seed)))

@@ -1,19 +1,23 @@
-"""Every file in config/ applies cleanly to train.py's real settings (so renaming a setting
-breaks CI), and each experiment file sets what its name says. Nothing is trained."""
+"""Every file in config/ applies cleanly to train.py's real settings (so renaming a setting breaks
+CI), and every train.py command that the configs and the README show runs what they claim: it
+passes train.py's checks, names the run directory that eval.py and plot.py are then given, splits
+its batch over the GPUs it runs on, and has the size and horizon its config's comment states.
+Nothing is trained."""
 import ast
 import inspect
+import os
+import re
 import subprocess
 import sys
-import os
 
 import pytest
 
+import data
+import planning
 from configurator import configure, settings_of
-from model import config_for_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
-VARIANTS = {v.lower(): v for v in ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")}
 
 
 def train_defaults():
@@ -32,50 +36,132 @@ def train_defaults():
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
 
 
-def apply(name, monkeypatch):
-    """The settings train.py would run with for `python train.py config/<name>` from the root."""
+def apply(argv, monkeypatch):
+    """The settings `python train.py <argv>` runs with from the repository root, checked as train.py
+    checks them, with its run directory filled in."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(ROOT)  # as for train.py: its directory is sys.path[0]
-    return configure(train_defaults(), [os.path.join("config", name)])
-
-
-def test_train_defaults_found():
     defaults = train_defaults()
-    assert {"depth", "loops", "variant", "out_dir", "num_steps", "device_batch_size"} <= set(defaults)
+    s = configure(dict(defaults), argv)
+    planning.check_settings(s, defaults)
+    return s | {"out_dir": planning.run_dir(s)}
 
 
-def test_config_dir_is_small():
-    assert CONFIGS == ["base.py", "cpu_diag.py", "diag.py", "flt_base.py", "paper.py", "small.py"]
+def vocab(s):
+    return data.QWEN3_VOCAB if "qwen3" in s["tokenizer"].lower() else s["bpe_vocab_size"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("variant, loops, attention", [
-    ("LT", 3, {}), ("FLT", 12, {"n_kv_head": 1}), ("LT_ai", 9, {"attn": "mla"}),
-    ("FLT_res", 6, {"window_pattern": "SSSL"})])
-def test_config_applies_with_any_variant_and_attention(name, variant, loops, attention, monkeypatch):
-    s = apply(name, monkeypatch) | dict(variant=variant, loops=loops) | attention
-    config_for_depth(s["depth"], sequence_len=s["sequence_len"], vocab_size=151680, loops=s["loops"],
-                     variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"], window_pattern=s["window_pattern"],
-                     **({} if s["n_kv_head"] == -1 else {"n_kv_head": s["n_kv_head"]}))  # validates the model settings
+@pytest.mark.parametrize("flags", [["--variant=LT", "--loops=3"], ["--loops=12", "--n_kv_head=1"],
+                                   ["--variant=LT_ai", "--loops=9", "--attn=mla"],
+                                   ["--variant=FLT_res", "--loops=6", "--window_pattern=SSSL"]])
+def test_config_applies_with_any_variant_and_attention(name, flags, monkeypatch):
+    s = apply([f"config/{name}", *flags], monkeypatch)
+    planning.model_config(s, vocab(s))  # validates the model settings
     for world_size in (1, 8) if s["dataset"] == "fineweb" else (1,):
-        assert s["total_batch_size"] % (s["device_batch_size"] * s["sequence_len"] * world_size) == 0
+        planning.grad_accum(s, world_size)
 
 
-def test_recipes_say_what_their_names_say(monkeypatch):
-    paper, small, base, flt, diag, cpu = (apply(f"{n}.py", monkeypatch)
-                                          for n in ("paper", "small", "base", "flt_base", "diag", "cpu_diag"))
-    assert (paper["dataset"], paper["total_batch_size"], paper["sequence_len"], paper["num_steps"]) == \
-        ("fineweb", 2**19, 1024, -1)
-    assert (paper["bos_token"], paper["final_eval_tokens"]) == ("<|im_start|>", 40 * 2**19)
-    # the authors' data, tokenizer and in-training validation (run.sh, nanochat/tokenizer.py, base_train.py)
-    assert (paper["num_shards"], paper["tokenizer"], paper["eval_interval"], paper["eval_tokens"]) == \
-        (249, "Qwen/Qwen3-4B", 250, 20 * 2**19)
-    assert diag["eval_interval"] == 200  # check.sh's base_check.py
-    assert (small["depth"], base["depth"]) == (6, 12)
-    assert (flt["depth"], flt["variant"], flt["loops"], flt["out_dir"]) == (12, "FLT", 9, "")
-    # the authors' diagnostic script: 2000 steps, no warm-up, linear warm-down over the last 20%
-    assert (diag["depth"], diag["num_steps"], diag["warmdown_frac"], diag["out_root"]) == (6, 2000, 0.2, "out/diag")
-    assert (cpu["dataset"], cpu["device"], cpu["loops"], cpu["out_root"]) == ("embedded", "cpu", 12, "out/cpu_diag")
+# ----------------------------------------------------------------------------- the documented commands
+def expand(text, cwd):
+    """The python and torchrun commands a piece of shell runs, as argument lists, its loops and braces
+    expanded by bash itself. Both only print their arguments; nothing else can run (no PATH)."""
+    script = "".join(f"{r}() {{ printf '%s\\0' {r} \"$@\"; echo; }}\n" for r in ("python", "torchrun"))
+    p = subprocess.run(["/bin/bash", "-c", script + text], env={"PATH": "/nonexistent"}, cwd=cwd,
+                       capture_output=True, text=True, timeout=30)
+    return [line.split("\0")[:-1] for line in p.stdout.split("\n")[:-1]]
+
+
+def documented(cwd):
+    """{place: (its text, its commands)} of every place that shows a train.py command: a comment line
+    of config/*.py, a code block of the README, or a line of the README with commands in inline code
+    (a row of the table of experiments: train, evaluate, plot)."""
+    places = {}
+    for name in CONFIGS:
+        with open(os.path.join(ROOT, "config", name)) as f:
+            places |= {f"config/{name}:{i}": [line.lstrip("# ")] for i, line in enumerate(f, 1) if line.startswith("#")}
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S) + re.findall(r"\n\n((?:    \S.*\n)+)", readme)
+    places |= {f"README.md block {i}": [block] for i, block in enumerate(blocks)}
+    places |= {f"README.md:{i}": re.findall(r"`([^`]+)`", line) for i, line in enumerate(readme.splitlines(), 1)
+               if not line.startswith("    ")}
+    found = {}
+    for place, pieces in places.items():
+        commands = [c for piece in pieces for c in expand(piece, cwd)]
+        if any("train.py" in c for c in commands):
+            found[place] = ("\n".join(pieces), commands)
+    return found
+
+
+def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
+    places = documented(tmp_path)
+    # among them: each config's command, the dry run, Table 1, the CPU figures, the loop samplers, torchrun on CPU
+    text = "\n".join(t for t, _ in places.values())
+    for expected in ("config/flt_base.py --dry_run", "config/$s.py --variant=$v --loops=$k",
+                     "config/cpu_diag.py --variant=$v", "--loops_sampler=lognormal_poisson --loops_max=24",
+                     "--nproc_per_node=2 train.py --device=cpu", "config/diag.py --variant=LT --loops=12"):
+        assert expected in text, expected
+    assert sum("train.py" in c for _, commands in places.values() for c in commands) > 40
+    for place, (text, commands) in places.items():
+        runs = set()
+        for argv in commands:
+            nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
+            script = next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))
+            name, args = " ".join(argv[script:script + 1]), argv[script + 1:]
+            if name == "train.py":
+                s = apply(args, monkeypatch)
+                planning.model_config(s, vocab(s))
+                # the batch splits over this command's processes, or the GPUs of a paper run (one node of 8)
+                planning.grad_accum(s, nproc if s["dataset"] == "embedded" or nproc > 1 else 8)
+                runs.add(s["out_dir"])
+            elif name in ("eval.py", "plot.py"):  # it reads the runs trained above (globs aside)
+                paths = {a for a in args if a.startswith("out/") and not set(a) & set("*[")}
+                assert paths <= runs, (place, paths, runs)
+        for claim in re.findall(r"# -> (\S+)", text):
+            assert claim in runs, (place, claim, runs)
+
+
+# ----------------------------------------------------------------------------- sizes and horizons
+# Each config's first comment states the model it trains; checked here by arithmetic: d_model = 64 x
+# depth, ceil(d / 128) heads, parameters 2 V d (untied embedding and LM head, V the vocabulary padded
+# to a multiple of 64) + 12 L d^2 (attention 4 d^2 and MLP 8 d^2 per block), and the horizon of
+# SPEC 6: 20 tokens per parameter in steps of total_batch_size tokens.
+SIZE = re.compile(r"depth (\d+) \(d_model (\d+)(?:, (\d+) heads)?\)(?:, (\d+)M parameters)?")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_config_has_the_size_and_horizon_it_states(name, monkeypatch):
+    s = apply([f"config/{name}"], monkeypatch)
+    with open(os.path.join(ROOT, "config", name)) as f:
+        header = f.read()
+    V = -(-vocab(s) // 64) * 64
+    d, L = 64 * s["depth"], s["depth"]
+    n_all = 2 * V * d + 12 * L * d * d
+    config = planning.model_config(s, vocab(s))
+    _, horizon, steps = planning.size_and_horizon(s, config)
+    assert horizon == {"all": n_all, "non_embedding": n_all - V * d}
+    if s["num_steps"] == -1:
+        assert steps == 20 * n_all // s["total_batch_size"]
+    if size := SIZE.search(header):
+        depth, d_model, heads, millions = size.groups()
+        assert (int(depth), int(d_model)) == (s["depth"], d) == (config.n_layer, config.n_embd)
+        assert heads is None or int(heads) == -(-d // 128) == config.n_head
+        assert millions is None or round(n_all / 1e6) == int(millions)
+
+
+def test_the_recipes_horizons_by_hand(monkeypatch):
+    # Qwen3's 151,669 ids padded to 151,680; 2**19 tokens a step; 8 GPUs at device batch 8 x 1024
+    V = 151680
+    for name, d, L, want in (("small.py", 384, 6, 4848), ("base.py", 768, 12, 12127)):
+        s = apply([f"config/{name}"], monkeypatch)
+        assert planning.size_and_horizon(s, planning.model_config(s, vocab(s)))[2] == want
+        assert 20 * (2 * V * d + 12 * L * d * d) // 2**19 == want
+        assert planning.grad_accum(s, 8) == 8  # device_batch_size 8 x 1024 tokens x 8 GPUs x 8 forwards
+    # cpu_diag: "400 steps of 1024 tokens", "one forward of 8 sequences per step", evaluation in 8 forwards
+    s = apply(["config/cpu_diag.py"], monkeypatch)
+    assert (planning.size_and_horizon(s, planning.model_config(s, vocab(s)))[2], s["total_batch_size"]) == (400, 1024)
+    assert planning.grad_accum(s, 1) == 1 and s["eval_tokens"] // (s["device_batch_size"] * s["sequence_len"]) == 8
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "bench.py"])

@@ -1,16 +1,22 @@
-"""Tests for planning.py: the memory estimate against measured training steps, and the
-accelerators' peak FLOP/s against the vendors' published figures."""
+"""Tests for planning.py: the memory estimate against measured training steps, the accelerators'
+peak FLOP/s against the vendors' published figures, and train.py's settings: checks, run directory,
+horizon, batch split, shards, what a resume may change."""
 import json
+import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import planning
+import runtime
 from model import GPT, GPTConfig, config_for_depth
 from optim import build_optimizers, reduce_gradients
 from planning import PEAK_FLOPS, estimate_memory, peak_flops
-from runtime import precision
+from runtime import precision, resolve_dtype
+from test_configs import train_defaults
 
 
 def measured_peak(model, idx, loops, tmp_path):
@@ -118,3 +124,148 @@ def test_peak_flops_by_name():
     # ("H100 NVL" before "H100", "A100" before "A10"), else the longer one is never reached.
     keys = [key.lower() for key, _ in PEAK_FLOPS]
     assert not [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a in b]
+
+
+# ---------------------------------------------------------------------------- train.py's settings
+# The functions train.py runs on its settings before any data, model or process group exists,
+# called here directly on train.py's defaults (the CLI wiring: a few runs in test_train.py).
+
+DEFAULTS = train_defaults()
+
+
+def before_data(**changes):
+    """What train.py does with its settings before it touches data, on one CPU process: the settings
+    checks, the run directory, the device, the precision, the batch split, the model's shape."""
+    s = DEFAULTS | changes
+    planning.check_settings(s, DEFAULTS)
+    out_dir = planning.run_dir(s)
+    runtime.setup(s["device"])
+    resolve_dtype(s["dtype"], "cpu")
+    planning.grad_accum(s, 1)
+    planning.model_config(s, s["bpe_vocab_size"])
+    return out_dir
+
+
+def test_the_defaults_and_every_allowed_choice_pass():
+    assert before_data() == os.path.join("out", "d3_flt_k3")
+    for changes in (dict(compile="on"), dict(dataset="fineweb", num_shards=3), dict(dtype="bf16"),
+                    dict(horizon_params="non_embedding", num_steps=-1), dict(attn="mla", kv_rank=64),
+                    dict(loops_sampler="uniform", loops_min=2, loops_max=5), dict(bptt_loops=2),
+                    dict(loops_sampler="lognormal_poisson", loops=2, loops_max=9), dict(keep_checkpoints=0),
+                    dict(depth=4, n_kv_head=1), dict(watch_layer=2), dict(divergence_window=5, divergence_nats=0.5)):
+        before_data(**changes)
+    assert [resolve_dtype("auto", t) for t in ("cuda", "cpu", "mps")] == ["bf16", "fp32", "fp32"]
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(device="cuda"), "device='cuda', but this torch"),
+    (dict(eval_interval=0), "eval_interval=0: expected a positive integer"),
+    (dict(save_interval=-3), "save_interval=-3: expected a positive integer"),
+    (dict(device_batch_size=0), "device_batch_size=0: expected a positive integer"),
+    (dict(n_kv_head=0), "n_kv_head=0: expected -1 (automatic) or a positive integer"),
+    (dict(depth=4, n_kv_head=3), "n_kv_head=3 is invalid: must divide n_head=2"),  # n_head = ceil(256 / 128)
+    (dict(num_steps=0), "num_steps=0: expected -1"),
+    (dict(keep_checkpoints=-1), "keep_checkpoints=-1: expected >= 1, or 0 to keep every checkpoint"),
+    (dict(keep_every=-1), "keep_every=-1: expected an integer >= 0"),
+    (dict(horizon_params="some"), "horizon_params='some': expected 'all' or 'non_embedding'"),
+    (dict(compile="maybe"), "compile='maybe': expected 'auto' or 'on' or 'off'"),
+    (dict(dtype="fp16"), "dtype='fp16': expected 'bf16' or 'fp32' (or 'auto'"),
+    (dict(variant="XL"), "variant='XL' is invalid"),
+    (dict(total_batch_size=100), "total_batch_size=100 is not a multiple of device_batch_size * sequence_len * "
+                                 "world_size = 2048"),
+    (dict(watch_layer=3), "watch_layer=3: expected a layer index below depth=3"),
+    (dict(divergence_nats=0.0), "divergence_nats=0.0: expected a positive number of nats"),
+    (dict(loops_sampler="poisson"), "loops_sampler='poisson': expected 'fixed' or 'uniform' or"),
+    (dict(loops_sampler="uniform", loops_min=4, loops_max=2), "loops_max=2: expected an integer >= loops_min=4"),
+    (dict(loops_sampler="lognormal_poisson", loops=1), "loops=1: expected an integer >= 2"),
+    (dict(loops=0), "loops=0 is invalid: expected an integer >= 1"),
+])
+def test_bad_values_fail_before_data_naming_the_setting(changes, match):
+    if changes.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=re.escape(match)):
+        before_data(**changes)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(kv_rank=64), "kv_rank=64 does nothing unless attn='mla'"),
+    (dict(num_shards=3), "num_shards=3 does nothing unless dataset='fineweb'"),
+    (dict(horizon_params="non_embedding", num_steps=5), "horizon_params='non_embedding' does nothing unless "
+                                                        "num_steps=-1"),
+    (dict(tokenizer="t.json", bpe_vocab_size=512), "bpe_vocab_size=512 does nothing unless tokenizer='bpe'"),
+    (dict(divergence_nats=2.0), "divergence_nats=2.0 does nothing unless divergence_window > 0"),
+    (dict(loops=1, loss_all_loops=True), "loss_all_loops=True does nothing with loops=1"),
+    (dict(loops=1, variant="LT"), "variant='LT' does nothing with loops=1 (one loop is the plain transformer)"),
+    (dict(core_max_per_task=4), "core_max_per_task=4 does nothing unless core_interval > 0"),
+    (dict(bundle_dir="b"), "bundle_dir='b' does nothing unless core_interval > 0"),
+    (dict(out_dir="x", out_root="runs"), "out_root='runs' does nothing when out_dir is given"),
+    (dict(gpu="H100"), "gpu='H100' does nothing unless dry_run=True"),
+    (dict(loops_min=2), "loops_min=2 does nothing unless loops_sampler='uniform'"),
+    (dict(loops_max=6), "loops_max=6 does nothing with loops_sampler='fixed'"),
+    (dict(bptt_loops=3), "bptt_loops=3 does nothing with loops_sampler='fixed' unless below loops"),
+])
+def test_a_setting_that_would_do_nothing_is_refused(changes, match):
+    with pytest.raises(ValueError, match=re.escape(match) + ": remove it, or set what it needs"):
+        planning.check_settings(DEFAULTS | changes, DEFAULTS)
+
+
+@pytest.mark.parametrize("changes, path", [
+    ({}, "out/d3_flt_k3"), (dict(depth=6), "out/small_flt_k3"), (dict(depth=12, variant="LT_ai", loops=9),
+                                                                  "out/base_lt_ai_k9"),
+    (dict(depth=1, variant="LT_i", loops=2, n_kv_head=1, window_pattern="SL"), "out/d1_lt_i_k2_gqa1_swa_SL"),
+    (dict(attn="mla", loops_sampler="lognormal_poisson"), "out/d3_flt_k3_mla_lognormal_poisson"),
+    (dict(out_root="runs/x"), "runs/x/d3_flt_k3"),
+])
+def test_run_dir_is_named_by_what_makes_the_run_different(changes, path):
+    assert planning.run_dir(DEFAULTS | changes) == path
+    assert planning.run_dir(DEFAULTS | changes | {"out_dir": "mine"}) == "mine"
+
+
+def test_horizon_is_20_tokens_per_parameter():
+    # depth 2: d = 128, L = 2; vocabulary 1000 padded to 1024; untied embedding and LM head, 12 d^2 a block
+    d, L, V = 128, 2, 1024
+    n_all, n_non_embedding = 2 * V * d + 12 * L * d * d, V * d + 12 * L * d * d
+    s = DEFAULTS | dict(depth=2, num_steps=-1, total_batch_size=4096)
+    model, horizon, steps = planning.size_and_horizon(s, planning.model_config(s, 1000))
+    assert horizon == {"all": n_all, "non_embedding": n_non_embedding} and model.num_params() == n_all
+    assert steps == 20 * n_all // 4096 == 3200
+    assert planning.size_and_horizon(s | {"horizon_params": "non_embedding"}, model.config)[2] == \
+        20 * n_non_embedding // 4096 == 2560
+    assert planning.size_and_horizon(s | {"total_batch_size": 2**30}, model.config)[2] == 1  # at least a step
+    assert planning.size_and_horizon(s | {"num_steps": 7}, model.config)[2] == 7
+
+
+def test_grad_accum_splits_the_batch_over_ranks_and_forwards():
+    s = DEFAULTS | dict(total_batch_size=2**19, device_batch_size=8, sequence_len=1024)
+    assert [planning.grad_accum(s, w) for w in (1, 2, 8, 64)] == [64, 32, 8, 1]
+    with pytest.raises(ValueError, match=r"total_batch_size=524288 is not a multiple .* = 1048576"):
+        planning.grad_accum(s, 128)
+
+
+def test_training_shards_cover_the_horizon(capsys):
+    s = DEFAULTS | dict(dataset="fineweb", num_shards=-1)
+    # ceil(tokens x 1.1 margin / 55M tokens a shard): 6e9 -> 120 shards; 50M -> exactly 1
+    assert planning.training_shards(s, 6e9) == 120 and planning.training_shards(s, 50e6) == 1
+    assert planning.training_shards(s | {"num_shards": 249}, 6e9) == 249
+    assert capsys.readouterr().out == ""
+    assert planning.training_shards(s | {"num_shards": 3}, 6e9) == 3
+    assert "will see its data more than once (num_shards=3)" in capsys.readouterr().out
+
+
+def test_resume_may_change_only_the_resumable_settings():
+    saved = DEFAULTS | {"out_dir": "out/d3_flt_k3"}
+    now = saved | dict(resume=True, eval_interval=7, num_steps=500, brand_new_setting=1)
+    assert planning.resume_changes(saved, now, "ckpt") == ["resume", "eval_interval", "num_steps"]
+    assert planning.resume_changes(saved, saved, "ckpt") == []
+    with pytest.raises(ValueError) as e:
+        planning.resume_changes(saved, now | dict(loops=5, matrix_lr=0.1), "out/x/step_000004")
+    assert str(e.value) == (f"--resume: settings ['loops', 'matrix_lr'] differ from the checkpoint "
+                            f"out/x/step_000004; only {sorted(planning.RESUMABLE)} may change")
+    assert planning.RESUMABLE < set(DEFAULTS)  # every name in it is a setting
+
+
+def test_plan_names_what_it_cannot_count():
+    with pytest.raises(ValueError, match="tokenizer='gpt2' is not a local file"):
+        planning.plan(DEFAULTS | dict(tokenizer="gpt2", out_dir="o"))
+    text = planning.plan(DEFAULTS | dict(out_dir="o", gpu="TPU v9", dry_run=True))
+    assert "unknown accelerator 'TPU v9'" in text and "the embedded corpus" in text

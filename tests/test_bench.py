@@ -1,0 +1,54 @@
+"""bench.py at tiny sizes on CPU: its cheapest modes run, and what they print is consistent (each
+ratio is the quotient of the two times beside it; memory_step prints one JSON record). The
+timings themselves are the machine's, not checked."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--depth=1", "--sequence_len=32", "--batch_size=2", "--loops=2"]
+RATIO = re.compile(r"(.+?) +([\d.]+) ms / +([\d.]+) ms = +([\d.]+)  \(target (.+)\)")
+
+
+def bench(*args):
+    p = subprocess.run([sys.executable, "bench.py", *TINY, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+def test_ratios_print_each_quotient_of_the_two_times():
+    lines = bench("--repeats=1", "--gen_tokens=16")
+    assert lines[0] == "device cpu, depth 1, T=32, B=2, median of 1"
+    rows = [RATIO.fullmatch(line) for line in lines[1:5]]
+    assert all(rows), lines
+    assert [(m.group(1), m.group(5)) for m in rows] == [
+        ("fwd+bwd FLT / LT, loops 2", "0.95-1.05"), ("fwd+bwd loops 6 / loops 3 (FLT)", "<= 2.1"),
+        ("loops [1, 3, 6, 9, 12]: one all-loops pass / five passes", "<= 0.45"),
+        ("generate 16 tokens, loops 2: cached / recompute", "<= 0.2")]
+    for m in rows:
+        a, b, r = (float(m.group(i)) for i in (2, 3, 4))
+        # the times are rounded to 0.05 ms and the ratio to 0.005
+        assert r == pytest.approx(a / b, abs=0.005 + 0.05 * (a + b) / b**2), m.group(0)
+    faster = float(re.fullmatch(r"cached generation is ([\d.]+)x faster than recomputing the full forward per token",
+                                lines[5]).group(1))
+    assert faster == pytest.approx(1 / float(rows[-1].group(4)), abs=0.05 + 0.005 / float(rows[-1].group(4)) ** 2)
+    assert len(lines) == 6
+
+
+def test_memory_step_prints_one_json_record():
+    lines = bench("--mode=memory_step", "--compile_mode=eager", "--vocab_size=512")
+    record = json.loads(lines[-1])
+    assert record.keys() == {"peak", "warmup", "step"}
+    assert isinstance(record["peak"], int) and record["peak"] >= 0 and record["step"] > 0
+
+
+def test_unknown_mode_names_the_modes():
+    p = subprocess.run([sys.executable, "bench.py", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and "mode='nope': expected one of ['loader', 'memory', 'memory_step', 'ratios', " \
+                                  "'train']" in p.stderr

@@ -1,0 +1,89 @@
+"""diagnostics.py: which modules train.py's logged gradient norms come from and what they measure
+(recomputed here from a model's gradients, selected by parameter name), the divergence monitor
+by hand, and the log files."""
+import json
+import math
+
+import pytest
+import torch
+
+import diagnostics
+from test_model import make_model, random_tokens
+
+
+def model_with_gradients(n_layer):
+    model = make_model("FLT", n_layer=n_layer).train()
+    model(random_tokens(2, 16), random_tokens(2, 16, seed=1), loops=2).backward()
+    return model
+
+
+def norm_of(model, *prefixes):
+    """The L2 norm of the gradients of the parameters whose names start with one of prefixes."""
+    grads = [p.grad.flatten() for n, p in model.named_parameters() if n.startswith(prefixes)]
+    assert grads, prefixes
+    return torch.cat(grads).double().norm().item()
+
+
+@pytest.mark.parametrize("n_layer, watch_layer, mid", [(6, -1, 4), (3, -1, 2), (6, 1, 1), (1, -1, 0)])
+def test_watched_norms_are_those_of_the_modules_the_figures_follow(n_layer, watch_layer, mid):
+    """grad_mlp_first: the first block's MLP; grad_lm_head; grad_mlp_mid and grad_attn_mid: block
+    watch_layer's MLP and attention, -1 = the paper's "5th layer" (index 4) or the last of fewer."""
+    model = model_with_gradients(n_layer)
+    watched = diagnostics.watched_modules(model, watch_layer)
+    sq = {p: p.grad.double().square().sum().item() for p in model.parameters()}
+    got = diagnostics.module_norms(sq, watched)
+    want = {"grad_mlp_first": norm_of(model, "transformer.h.0.mlp."), "grad_lm_head": norm_of(model, "lm_head."),
+            "grad_mlp_mid": norm_of(model, f"transformer.h.{mid}.mlp."),
+            "grad_attn_mid": norm_of(model, f"transformer.h.{mid}.attn.")}
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-9), key
+    assert len({got["grad_mlp_first"], got["grad_mlp_mid"], got["grad_attn_mid"], got["grad_lm_head"]}) == \
+        (3 if mid == 0 else 4)  # distinct modules have distinct norms
+
+
+def test_clipped_norms_are_the_module_norms_after_torchs_clipping():
+    """The authors' view (scripts/base_check.py): clip_grad_norm_ by the total norm, then each module's norm."""
+    model = model_with_gradients(6)
+    watched = diagnostics.watched_modules(model)
+    total = norm_of(model, "")
+    for max_norm in (total / 3, 10 * total):  # clipping, and none
+        got = diagnostics.clipped_norms(model, watched, max_norm)
+        clipped = make_model("FLT", n_layer=6)
+        for (_, p), (_, q) in zip(model.named_parameters(), clipped.named_parameters()):
+            q.grad = p.grad.clone()
+        torch.nn.utils.clip_grad_norm_(clipped.parameters(), max_norm)
+        want = {"grad_mlp_first_clipped": norm_of(clipped, "transformer.h.0.mlp."),
+                "grad_lm_head_clipped": norm_of(clipped, "lm_head."),
+                "grad_mlp_mid_clipped": norm_of(clipped, "transformer.h.4.mlp."),
+                "grad_attn_mid_clipped": norm_of(clipped, "transformer.h.4.attn.")}
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (max_norm, key)
+    assert got["grad_lm_head_clipped"] == pytest.approx(norm_of(model, "lm_head."), rel=1e-5)  # unclipped
+
+
+def test_divergence_monitor_by_hand():
+    monitor, nats = diagnostics.NEW_MONITOR, 1.0
+    seen = []
+    for loss in (4.0, 3.0, 3.0, 8.0, 8.0, 8.0, 2.0):
+        monitor = diagnostics.divergence(monitor, loss, nats)
+        seen.append((round(monitor["ema"], 6), round(monitor["best"], 6), monitor["above"]))
+    # ema = 0.9 ema + 0.1 loss: 4, 3.9, 3.81, 4.229, 4.6061, 4.94549 (> 3.81 + 1 nat), 4.650941
+    assert seen == [(4.0, 4.0, 0), (3.9, 3.9, 0), (3.81, 3.81, 0), (4.229, 3.81, 0), (4.6061, 3.81, 0),
+                    (4.94549, 3.81, 1), (4.650941, 3.81, 0)]
+    assert diagnostics.NEW_MONITOR == {"ema": None, "best": math.inf, "above": 0}  # never modified
+
+
+def test_log_writes_settings_then_one_line_per_record(tmp_path):
+    log = diagnostics.Log(str(tmp_path), {"loops": 3})
+    log.write({"step": 0, "loss": 1.5})
+    log.write({"step": 1, "loss": float("nan")})
+    log.close()
+    assert json.loads((tmp_path / "settings.json").read_text()) == {"loops": 3}
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 0, "loss": 1.5} and math.isnan(json.loads(lines[1])["loss"])
+    quiet = diagnostics.Log(None, {"loops": 3})  # a rank other than 0
+    quiet.write({"step": 0})
+    quiet.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "settings.json"]
