@@ -118,7 +118,7 @@ def token_losses(logits, targets):
 @torch.no_grad()
 def loop_losses(model, idx, targets, loops_list):
     """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
-    Run it in the model's precision context (model.precision), as main() and train.py do."""
+    Run it in the model's precision context (runtime.precision), as main() and train.py do."""
     hs = model.loop_states(idx, max(loops_list)).states
     result = {}
     for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor

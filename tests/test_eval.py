@@ -32,7 +32,6 @@ import tokenizers
 import corpus
 import data
 import eval as ev
-import report
 import checkpoint
 from model import GPT, GPTConfig, Loops
 
@@ -646,19 +645,15 @@ def test_bundle_missing_file_is_named(tmp_path, missing):
         ev.load_bundle(bundle)
 
 
-def test_unknown_task_type_and_missing_baseline_are_named(tmp_path):
-    bundle = make_bundle(tmp_path / "b", core_yaml=CORE_YAML.replace("icl_task_type: schema", "icl_task_type: essay"))
-    with pytest.raises(ValueError, match="schema_task.*'essay'.*multiple_choice"):
-        ev.load_bundle(bundle)
-    bundle = make_bundle(tmp_path / "c", meta=META_CSV.replace("lm_task", "other"))
-    with pytest.raises(ValueError, match="lm_task"):
-        ev.load_bundle(bundle)
-    bundle = make_bundle(tmp_path / "d", core_yaml=CORE_YAML.replace("  dataset_uri: lm.jsonl\n", ""))
-    with pytest.raises(ValueError, match="lacks.*dataset_uri"):
-        ev.load_bundle(bundle)
-    bundle = make_bundle(tmp_path / "e", meta=META_CSV.replace("Random baseline", "Baseline"))
-    with pytest.raises(ValueError, match="Random baseline"):
-        ev.load_bundle(bundle)
+@pytest.mark.parametrize("name, bundle_files, match", [
+    ("b", dict(core_yaml=CORE_YAML.replace("icl_task_type: schema", "icl_task_type: essay")),
+     "schema_task.*'essay'.*multiple_choice"),
+    ("c", dict(meta=META_CSV.replace("lm_task", "other")), "lm_task"),
+    ("d", dict(core_yaml=CORE_YAML.replace("  dataset_uri: lm.jsonl\n", "")), "lacks.*dataset_uri"),
+    ("e", dict(meta=META_CSV.replace("Random baseline", "Baseline")), "Random baseline")])
+def test_unknown_task_type_and_missing_baseline_are_named(tmp_path, name, bundle_files, match):
+    with pytest.raises(ValueError, match=match):
+        ev.load_bundle(make_bundle(tmp_path / name, **bundle_files))
 
 
 def test_missing_checkpoint_and_bad_settings(tmp_path):

@@ -205,7 +205,6 @@ def test_build_optimizers_groups_every_parameter_once():
     assert (adamw.world_size, adamw.rank, muon.world_size, muon.rank) == (1, 0, 1, 0)
     grouped = [p for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
     assert sorted(map(id, grouped)) == sorted(id(p) for p in model.parameters())
-    scale = math.sqrt(768 / D_MODEL)
     embedding, head = adamw.param_groups
     assert embedding["params"] == [model.transformer.wte.weight]
     assert head["params"] == [model.lm_head.weight]
