@@ -109,6 +109,8 @@ def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
             nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
             script = next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))
             name, args = " ".join(argv[script:script + 1]), argv[script + 1:]
+            if name == "train.py" and "--help" in args:  # lists the settings: test_help_lists_every_setting...
+                continue
             if name == "train.py":
                 s = apply(args, monkeypatch)
                 planning.model_config(s, vocab(s))
