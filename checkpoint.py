@@ -88,19 +88,20 @@ def candidates(path):
     return found
 
 
-def load_newest(path, device="cpu", world_size=None, log=print):
+def load_newest(path, device="cpu", rank_files=False, log=print):
     """(step_dir, meta) of the newest readable checkpoint at path (a step dir or a run's out_dir).
-    With world_size, a checkpoint also needs a rank file per rank (to resume). An unreadable
+    With rank_files (to resume), a checkpoint also needs the rank file of every rank that saved it
+    (any number of ranks: load_rank_states reshards). An unreadable
     checkpoint is reported and the next older one tried; only if none is readable is it an error."""
     errors = []
     for step_dir in candidates(path):
         try:
             meta = read_model_file(step_dir, device)
-            if world_size is not None:
-                for r in range(world_size):
+            if rank_files:
+                for r in range(saved_world(step_dir, meta)):
                     rank_file = os.path.join(step_dir, f"rank{r}.pt")
                     if not os.path.isfile(rank_file) or os.path.getsize(rank_file) == 0:
-                        raise ValueError(f"{rank_file}: missing or empty (saved by a different world size?)")
+                        raise ValueError(f"{rank_file}: missing or empty")
         except FormatError:
             raise
         except ValueError as e:
@@ -123,8 +124,50 @@ def load_model(path, device="cpu", log=print):
     return model.to(device), meta
 
 
-def load_rank_state(step_dir, rank, device="cpu"):
-    return _load(os.path.join(step_dir, f"rank{rank}.pt"), device)
+def saved_world(step_dir, meta):
+    """The world size that saved a checkpoint (recorded since world sizes may change; older ones:
+    their rank files, counted)."""
+    if "world_size" in meta:
+        return meta["world_size"]
+    return sum(1 for name in os.listdir(step_dir) if re.fullmatch(r"rank\d+\.pt", name))
+
+
+def load_rank_states(step_dir, meta, rank, world_size, device="cpu"):
+    """[this rank's own state] when the run saved with world_size ranks; else every saved rank's
+    state, in rank order, on the CPU: load_optimizer and data.DataLoader continue from them."""
+    saved = saved_world(step_dir, meta)
+    if saved == world_size:
+        return [_load(os.path.join(step_dir, f"rank{rank}.pt"), device)]
+    return [_load(os.path.join(step_dir, f"rank{r}.pt")) for r in range(saved)]
+
+
+def full_optimizer_state(opt, states):
+    """{parameter index: {key: value}}: the whole state of `opt` (optim.AdamW or Muon) from the
+    state_dicts every rank of one run saved, in rank order. AdamW's flat slices are joined in rank
+    order; a Muon matrix's momentum comes whole from the one rank that owned it."""
+    if [(s.get("world_size"), s.get("rank")) for s in states] != [(len(states), r) for r in range(len(states))]:
+        raise ValueError(f"optimizer states of (world_size, rank) {[(s.get('world_size'), s.get('rank')) for s in states]}"
+                         f": expected every rank of the saved run, in rank order")
+    pieces, params = {}, opt._params()
+    for s in states:
+        for i, state in s["state"].items():
+            for key, value in state.items():
+                pieces.setdefault(i, {}).setdefault(key, []).append(value)
+    return {i: {key: torch.cat([v.cpu().view(-1) for v in values]).view(params[i].shape)
+                if torch.is_tensor(values[0]) else values[0] for key, values in state.items()}
+            for i, state in pieces.items()}
+
+
+def load_optimizer(opt, states):
+    """Load load_rank_states' optimizer states into opt: this rank's own, or every rank's of a run
+    saved with another world size, resharded exactly (the pieces this rank now keeps of the whole)."""
+    if len(states) == 1 and (states[0].get("world_size"), states[0].get("rank")) == (opt.world_size, opt.rank):
+        return opt.load_state_dict(states[0])
+    params = opt._params()
+    mine = {i: {k: opt._piece(params[i], v) if torch.is_tensor(v) else v for k, v in state.items()}
+            for i, state in full_optimizer_state(opt, states).items() if opt._owns(params[i])}
+    opt.load_state_dict({"state": mine, "param_groups": states[0]["param_groups"],
+                         "world_size": opt.world_size, "rank": opt.rank})
 
 
 def set_aside_newer(out_dir, step, log=print):
@@ -143,7 +186,7 @@ def _save(obj, path):
         os.fsync(f.fileno())  # on disk before the directory is renamed into place
 
 
-def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=lambda: None, keep=2,
+def save(out_dir, step, model, rank_state, *, settings, rank=0, world_size=1, barrier=lambda: None, keep=2,
          keep_every=0, files=None):
     """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
     prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer).
@@ -156,7 +199,8 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=lambda: 
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
         os.makedirs(tmp)
-        _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT),
+        _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT,
+                   world_size=world_size),
               os.path.join(tmp, "model.pt"))
         for name, write in (files or {}).items():
             write(os.path.join(tmp, name))

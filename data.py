@@ -143,7 +143,7 @@ class DataLoader:
     state_dict() is the position of the next unread token ({"epoch", "file" (its name), "row_group",
     "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's "epoch_tokens"
     read and "epoch_batches" begun: a loader built with state=loader.state_dict() after batch n yields
-    batch n+1. While a row group is used, the next one is tokenized in a background thread.
+    batch n+1. state=[every rank's state] of another world size: see _continue. While a row group is used, the next one is tokenized in a background thread.
     """
 
     def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None,
@@ -159,19 +159,24 @@ class DataLoader:
         self.names = [os.path.basename(f) for f in self.files]
         if len(set(self.names)) < len(self.names):
             raise ValueError(f"DataLoader: file names must differ (a loader state names files): {self.names}")
-        row_groups = {}  # of each file (every shard has rows: _open_parquet checks)
-        for name, path in zip(self.names, self.files):
+        self.rows = []  # documents in each row group of each file (every shard has rows: open_parquet checks)
+        for path in self.files:
             with corpus.open_parquet(path) as pf:
-                row_groups[name] = pf.num_row_groups
+                self.rows.append([pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+        row_groups = {name: len(rows) for name, rows in zip(self.names, self.rows)}
         self.groups = [(i, g) for i, n in enumerate(row_groups.values()) for g in range(rank, n, world_size)]
         if not self.groups and cycle:  # would loop forever looking for a token
             raise ValueError(f"rank {rank} of {world_size} gets no documents: row groups per file "
                              f"{row_groups} in {self.files[0]}, ...; use fewer ranks or more data")
         self.epoch, self.pos, self.offset, self.tokens, self.done = 0, 0, 0, None, not self.groups
         self.epoch_tokens = self.epoch_batches = 0
-        self.pool, self.prefetched = ThreadPoolExecutor(1), None
+        self.pool, self.prefetched, self.skipped_documents = ThreadPoolExecutor(1), None, 0
         if state is None:
             return
+        if isinstance(state, list):  # every rank's state (see _continue), or this rank's own
+            if len(state) != 1 or state[0]["world_size"] != world_size:
+                return self._continue(state)
+            state = state[0]
         if missing := sorted(self.state_dict().keys() - state.keys()):
             raise ValueError(f"loader state {state} lacks {missing}: saved before data.py packed as the authors' "
                              "loader does; resume with a state this loader saved")
@@ -195,8 +200,37 @@ class DataLoader:
                 "rank": self.rank, "world_size": self.world_size, "epoch_tokens": self.epoch_tokens,
                 "epoch_batches": self.epoch_batches}
 
-    def _tokenize(self, pos):
-        file, row_group = self.groups[pos]
+    def _continue(self, states):
+        """Start where a run saved by another number of ranks stopped (states: each of its ranks', in
+        rank order): at the first row group after the furthest one any of them had begun, so no
+        document is read twice. The documents its ranks had not reached by then are skipped, and
+        counted in self.skipped_documents."""
+        W, sizes = len(states), [len(rows) for rows in self.rows]
+        if not states or [(s["rank"], s["world_size"]) for s in states] != [(r, W) for r in range(W)] or any(
+                s["file"] not in self.names or s["row_group"] >= sizes[self.names.index(s["file"])] for s in states):
+            raise ValueError(f"loader states {states}: expected one per rank of the saved run, in rank order, "
+                             f"at row groups of these files {self.names}")
+
+        def after(e, f, g):  # the row group after (f, g) in file order, whichever rank reads it
+            return (e, f, g + 1) if g + 1 < sizes[f] else (e, f + 1, 0) if f + 1 < len(sizes) else (e + 1, 0, 0)
+        beyond = []  # for each old rank: the position after the last row group it had begun
+        for r, s in enumerate(states):
+            mine = [(f, g) for f, n in enumerate(sizes) for g in range(r, n, W)]
+            e, p = s["epoch"], mine.index((self.names.index(s["file"]), s["row_group"]))
+            beyond.append(after(e, *mine[p]) if s["offset"] else after(e, *mine[p - 1]) if p else
+                          after(e - 1, *mine[-1]) if e else (0, 0, 0))
+        start = max(beyond)
+        ahead = [i for i, group in enumerate(self.groups) if group >= start[1:]]
+        self.epoch, self.pos = (start[0], ahead[0]) if ahead else (start[0] + 1, 0)
+        for r, (e, f, g), s in zip(range(W), beyond, states):
+            if s["offset"]:  # the documents of its row group it had not begun
+                tokens = self._tokenize(self.names.index(s["file"]), s["row_group"])
+                self.skipped_documents += int((tokens[s["offset"]:] == self.tokenizer.bos_id).sum())
+            while (e, f, g) < start:  # then its row groups nobody read
+                self.skipped_documents += self.rows[f][g] if g % W == r else 0
+                e, f, g = after(e, f, g)
+
+    def _tokenize(self, file, row_group):
         stream = []
         for ids in self.tokenizer.encode_batch(corpus.read_texts(self.files[file], row_group)):
             stream += [self.tokenizer.bos_id, *ids]
@@ -205,10 +239,10 @@ class DataLoader:
     def _load(self):
         """Row group self.pos, tokenized; starts tokenizing the one after it in the background."""
         pos, future = self.prefetched or (None, None)
-        tokens = future.result() if pos == self.pos else self._tokenize(self.pos)
+        tokens = future.result() if pos == self.pos else self._tokenize(*self.groups[self.pos])
         following = (self.pos + 1) % len(self.groups)
         if following or self.cycle:  # without cycle, no epoch follows the last row group
-            self.prefetched = (following, self.pool.submit(self._tokenize, following))
+            self.prefetched = (following, self.pool.submit(self._tokenize, *self.groups[following]))
         return tokens
 
     def _end_epoch(self):

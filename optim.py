@@ -27,7 +27,9 @@ reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's p
 
 The state is per rank (its own slices or matrices): save one state_dict() per rank.
 It holds only tensors, numbers and strings (torch.load(weights_only=True) reads it)
-and records world_size and rank; loading it elsewhere raises ValueError.
+and records world_size and rank; load_state_dict refuses another rank's. _owns(p) and
+_piece(p, whole) say which piece of a parameter's state a rank keeps: checkpoint.py
+reshards a run saved with another world size with them.
 """
 
 import math
@@ -152,8 +154,8 @@ class _Sharded(torch.optim.Optimizer):
         saved = (state_dict.get("world_size"), state_dict.get("rank"))
         if saved != (self.world_size, self.rank):
             raise ValueError(f"optimizer state was saved with (world_size, rank) = {saved}, but "
-                             f"this process is {(self.world_size, self.rank)}; resume with the "
-                             "same world size and load each rank's own file")
+                             f"this process is {(self.world_size, self.rank)}; load each rank's "
+                             "own file, or reshard with checkpoint.load_optimizer")
         state_dict = {k: v for k, v in state_dict.items() if k not in ("world_size", "rank")}
         super().load_state_dict(state_dict)
 
@@ -215,6 +217,12 @@ class Muon(_Sharded):
             # In a short block, a rank without a matrix sends only padding (zeros).
             self._all_gather(block[0].new_empty(0) if p is None else p, block, block[0].numel())
 
+    def _owns(self, p):
+        return any(p is mine for _, _, mine in self._blocks())
+
+    def _piece(self, p, full):
+        return full  # a matrix's state is whole, on the rank that owns it
+
 
 class AdamW(_Sharded):
     """
@@ -239,6 +247,13 @@ class AdamW(_Sharded):
 
     def _reduce_scatter_grads(self):
         return {p: self._reduce_scatter([p.grad], self._shard_bounds(p)[0]) for p in self._params()}
+
+    def _owns(self, p):
+        return True  # a slice of every parameter, empty where numel < world_size
+
+    def _piece(self, p, full):
+        _, lo, hi = self._shard_bounds(p)
+        return full.view(-1)[lo:hi].clone()
 
     def _update(self, reduced):
         for group in self.param_groups:

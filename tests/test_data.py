@@ -327,6 +327,44 @@ def test_loader_resume_reproduces_next_batches(tok, tmp_path, capsys, rank, worl
         make({key: v for key, v in state.items() if not key.startswith("epoch_")})
 
 
+@pytest.mark.parametrize("old, new", [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_loader_continues_from_another_world_size(numbers, tmp_path, old, new):
+    """A run saved by `old` ranks continues on `new` ranks: after the furthest row group any old rank
+    had begun, each document read once at most, the others counted as skipped."""
+    texts = [" ".join([str(i)] * (1 + i % 4)) for i in range(1, 31)]  # 30 documents, told apart by their ids
+    files = [write_parquet(tmp_path / f"{name}.parquet", texts[10 * k:10 * k + 10])
+             for k, name in enumerate("abc")]  # 5 row groups of 2 documents each
+    groups = [(f, g) for f in files for g in range(5)]
+    for batches in range(1, 9):
+        loaders = [data.DataLoader(files, numbers, 1, 3, r, old) for r in range(old)]
+        used = [len(chunks(take(loader, batches))) for loader in loaders]
+        states = json.loads(json.dumps([loader.state_dict() for loader in loaders]))
+        if any(s["epoch"] for s in states):
+            break  # a rank's stream ended: this test follows one epoch
+        read, begun = set(), []  # documents whose bos an old rank read; the row groups it had begun
+        for r, used in enumerate(used):
+            stream = expected_stream(files, numbers, r, old)
+            read |= {stream[i + 1] for i in range(used) if stream[i] == numbers.bos_id}
+            for f, g in row_groups(files, r, old):
+                begun += [(f, g)] if used > 0 else []
+                used -= sum(1 + len(t.split()) for t in docs_of(f, g))
+        later = [(f, g) for f, g in groups if groups.index((f, g)) > max(map(groups.index, begun))]
+        skipped = 0
+        for r in range(new):
+            loader = data.DataLoader(files, numbers, 1, 3, r, new, state=states, cycle=False)
+            got = [t for x, y in loader for t in torch.cat([x.flatten()[:1], y.flatten()]).tolist() if t != -1]
+            want = [t for f, g in later if g % new == r for d in docs_of(f, g) for t in [numbers.bos_id] + numbers.encode(d)]
+            assert got == want[:len(got)] and len(want) - len(got) <= 1  # a last lone token is no chunk
+            mine = {want[i + 1] for i in range(len(got)) if want[i] == numbers.bos_id}
+            assert not mine & read
+            read |= mine
+            skipped = loader.skipped_documents  # the same on every new rank
+        assert len(read) + skipped == 30
+    assert batches > 4  # positions in several files were tried
+    with pytest.raises(ValueError, match="expected one per rank of the saved run"):
+        data.DataLoader(files, numbers, 1, 3, 0, new, state=states[1:])
+
+
 def test_loader_state_names_the_file(tok, tmp_path):
     texts = [f"doc {i}: " + "more words " * i for i in range(9)]
     files = [write_parquet(tmp_path / "a.parquet", texts[:5]),
@@ -356,9 +394,9 @@ def test_loader_state_names_the_file(tok, tmp_path):
 def test_loader_tokenizes_next_row_group_in_background(tok, tmp_path, monkeypatch):
     calls, tokenize = [], data.DataLoader._tokenize
 
-    def recorded(self, pos):
-        calls.append((pos, threading.current_thread() is threading.main_thread()))
-        return tokenize(self, pos)
+    def recorded(self, file, row_group):  # one file: row group = position
+        calls.append((row_group, threading.current_thread() is threading.main_thread()))
+        return tokenize(self, file, row_group)
     monkeypatch.setattr(data.DataLoader, "_tokenize", recorded)
     files = [write_parquet(tmp_path / "a.parquet", [f"doc {i}: " + "word " * (3 * i) for i in range(12)])]
     loader, batches = data.DataLoader(files, tok, 2, 8), []
