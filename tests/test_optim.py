@@ -367,6 +367,7 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
     checkpoint = save(dict(model=model.state_dict(), optim=[o.state_dict() for o in optimizers]))
     coefficients.append(train_step(model, optimizers, idx, targets, 2))
     adamw, muon = optimizers
+    states_after = [o.state_dict() for o in optimizers]
     named = dict(model.named_parameters())
     result = dict(
         params=params_of(model), coefficients=coefficients,
@@ -375,6 +376,7 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
         muon_buffers=sorted(n for n, p in named.items()
                             if "momentum_buffer" in muon.state.get(p, {})),
     )
+    result["optimizer_states"] = states_after
     resumed, resumed_optimizers = resume_and_step(checkpoint, True, idx, targets, 2)
     result["resumed_params"] = params_of(resumed)
 
@@ -530,3 +532,49 @@ def test_clip_coefficient_is_clip_grad_norms_rule():
     p.grad = torch.full((4,), 2.0)  # norm 4: torch scales it by the same factor
     torch.nn.utils.clip_grad_norm_([p], 1.0)
     assert torch.allclose(p.grad, torch.full((4,), 2.0 * clip_coefficient(4.0, 1.0)))
+
+
+def as_rank(optimizers, rank, world_size):
+    """Optimizers of one process that keep the pieces of `rank` of `world_size` (state only: no collectives)."""
+    for opt in optimizers:
+        opt.rank, opt.world_size = rank, world_size
+    return optimizers
+
+
+def assert_same_state(a, b, **tol):
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i].keys() == b[i].keys()
+        for key in a[i]:
+            if torch.is_tensor(a[i][key]):
+                torch.testing.assert_close(a[i][key], b[i][key], **tol)
+            else:
+                assert a[i][key] == b[i][key]
+
+
+def test_optimizer_state_reshards_exactly_between_world_sizes(distributed_results):
+    """2 ranks -> 1 and 1 -> 2: the whole state after resharding equals the whole state before it, and
+    equals the state a single process reaches on the same steps (an independent computation)."""
+    import checkpoint
+    idx, targets = make_batch()
+    single = build_optimizers(model := make_model())
+    for step in range(3):
+        train_step(model, single, idx, targets, step)
+    for i, opt in enumerate(build_optimizers(make_model())):  # 2 -> 1
+        saved = [result["optimizer_states"][i] for result in distributed_results]
+        whole = checkpoint.full_optimizer_state(opt, saved)
+        checkpoint.load_optimizer(opt, saved)
+        assert_same_state(checkpoint.full_optimizer_state(opt, [opt.state_dict()]), whole, rtol=0, atol=0)
+        assert_same_state(whole, checkpoint.full_optimizer_state(opt, [single[i].state_dict()]), rtol=0, atol=1e-6)
+    for i, opt in enumerate(single):  # 1 -> 2: each rank keeps its pieces, as the 2-rank run's own
+        saved = [opt.state_dict()]
+        ranks = [as_rank(build_optimizers(make_model()), r, 2)[i] for r in range(2)]
+        for r, sharded in enumerate(ranks):
+            checkpoint.load_optimizer(sharded, saved)
+            assert_same_state(sharded.state_dict()["state"], distributed_results[r]["optimizer_states"][i]["state"],
+                              rtol=0, atol=1e-6)
+        resharded = [sharded.state_dict() for sharded in ranks]
+        assert_same_state(checkpoint.full_optimizer_state(opt, resharded),
+                          checkpoint.full_optimizer_state(opt, saved), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="expected every rank of the saved run, in rank order"):
+        checkpoint.load_optimizer(single[0], [distributed_results[1]["optimizer_states"][0]])  # rank 0 missing
