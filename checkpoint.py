@@ -242,8 +242,10 @@ RUN_FILES = ("log.jsonl",)
 
 
 def prepare_out_dir(out_dir, resume, overwrite):
-    """Check out_dir before any work: writable; --resume needs a checkpoint; a fresh run refuses a
-    directory holding another run unless overwrite=True (which deletes that run's files)."""
+    """Check out_dir before any work: writable; resume=True needs a checkpoint; a fresh run refuses a
+    directory holding another run unless overwrite=True (which deletes that run's files).
+    resume="auto" (a job's first submission and every requeue): resume if out_dir holds a checkpoint,
+    else start fresh, replacing the log of a run that never saved one."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test{os.getpid()}")
@@ -253,6 +255,8 @@ def prepare_out_dir(out_dir, resume, overwrite):
         raise ValueError(f"out_dir={out_dir!r} is not writable: {e.strerror}") from e
     steps = [os.path.basename(p) for _, p in list_checkpoints(out_dir)]
     found = steps + [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+    if resume == "auto":
+        resume, overwrite = bool(steps), overwrite or not steps
     if resume:
         if not steps:
             raise FileNotFoundError(f"--resume: no checkpoint (step_NNNNNN/model.pt) in out_dir={out_dir!r}")

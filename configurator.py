@@ -17,8 +17,8 @@ def settings_of(namespace):
     return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in SETTING_TYPES}
 
 
-def _checked(key, value, default, source):
-    if type(value) is type(default) or (default is None and type(value) in SETTING_TYPES):
+def _checked(key, value, default, source, words=()):
+    if type(value) is type(default) or (default is None and type(value) in SETTING_TYPES) or value in words:
         return value
     if type(default) is float and type(value) is int:
         return float(value)
@@ -26,12 +26,13 @@ def _checked(key, value, default, source):
                      f"got {type(value).__name__} {value!r}")
 
 
-def _parse(key, raw, default, source):
-    if isinstance(default, str):
+def _parse(key, raw, default, source, words=()):
+    if isinstance(default, str) or raw in words:
         return raw                       # strings are taken as written: --loops=1,3,6
     if isinstance(default, bool):
         if raw.lower() not in BOOLS:
-            raise ValueError(f"{source}: setting {key!r} expects a bool (true/false), got {raw!r}")
+            raise ValueError(f"{source}: setting {key!r} expects {' or '.join(('a bool (true/false)',) + words)}, "
+                             f"got {raw!r}")
         return BOOLS[raw.lower()]
     try:
         value = ast.literal_eval(raw)
@@ -43,8 +44,9 @@ def _parse(key, raw, default, source):
 def configure(namespace, argv, source=None):
     """Apply config files and --key=value flags from argv to the settings in namespace
     (a script's globals()), in place. Returns the final settings as a dict. --help (or -h) prints
-    the settings of the script `source` (default: namespace's __file__) and exits."""
-    defaults = settings_of(namespace)
+    the settings of the script `source` (default: namespace's __file__) and exits. A script's
+    `_WORDS = {key: (word, ...)}` lets a setting also take those strings (train.py: --resume=auto)."""
+    defaults, words = settings_of(namespace), namespace.get("_WORDS", {})
     if {"--help", "-h"} & set(argv):
         print(describe(source or namespace["__file__"], defaults))
         raise SystemExit(0)
@@ -55,7 +57,7 @@ def configure(namespace, argv, source=None):
                 raise ValueError(f"--{key}: unknown setting {key!r}; known: {', '.join(sorted(defaults))}")
             if not sep and not isinstance(defaults[key], bool):
                 raise ValueError(f"--{key}: expected --{key}=value")
-            namespace[key] = _parse(key, raw, defaults[key], f"--{key}") if sep else True
+            namespace[key] = _parse(key, raw, defaults[key], f"--{key}", words.get(key, ())) if sep else True
         elif arg.endswith(".py"):
             scope = {}
             with open(arg) as f:  # FileNotFoundError names the file
@@ -64,7 +66,7 @@ def configure(namespace, argv, source=None):
                 if not key.startswith("_") and not isinstance(value, types.ModuleType):
                     if key not in defaults:
                         raise ValueError(f"{arg}: unknown setting {key!r}")
-                    namespace[key] = _checked(key, value, defaults[key], arg)
+                    namespace[key] = _checked(key, value, defaults[key], arg, words.get(key, ()))
         else:
             raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")
     return settings_of({k: namespace[k] for k in defaults})

@@ -88,9 +88,9 @@ def peak_flops(name):
 
 # Settings a resumed run may change (bookkeeping); everything else must match the checkpoint.
 RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
-             "final_eval_tokens", "save_interval", "keep_checkpoints", "keep_every", "sample_tokens", "device",
-             "compile", "dtype", "data_dir", "divergence_window", "divergence_nats", "dist_timeout", "dry_run",
-             "gpu"}
+             "final_eval_tokens", "save_interval", "save_interval_minutes", "keep_checkpoints", "keep_every",
+             "sample_tokens", "device", "compile", "dtype", "data_dir", "divergence_window", "divergence_nats",
+             "dist_timeout", "dry_run", "gpu"}
 
 
 def check_settings(s, defaults):
@@ -125,6 +125,8 @@ def check_settings(s, defaults):
         bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
     if s["divergence_nats"] <= 0:
         bad("divergence_nats", "a positive number of nats")
+    if s["save_interval_minutes"] < 0:
+        bad("save_interval_minutes", "minutes >= 0 (0 = off)")
     # A setting that would do nothing is a mistake in the command, not something to ignore.
     for key, inert, why in (("kv_rank", s["attn"] != "mla", "unless attn='mla'"),
                             ("horizon_params", s["num_steps"] != -1, "unless num_steps=-1"),

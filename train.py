@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import cluster
 import corpus
 import data
 import diagnostics
@@ -30,12 +31,14 @@ from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_moment
 # I/O
 out_dir = ""                # empty = out_root/<size>_<variant>_k<loops>[_<attention>], e.g. out/base_flt_k9
 out_root = "out"
-resume = False              # continue from the newest readable checkpoint in out_dir
+resume = False              # continue from the newest readable checkpoint in out_dir; "auto": that if out_dir
+                            # holds one, else start fresh (the same command for a job and its requeues)
 overwrite = False           # a fresh run may delete the run already in out_dir (else it refuses)
 eval_interval = 100         # validation bits-per-byte every N steps (and at the last step)
 eval_tokens = 2**15         # validation tokens per evaluation during training (at most the whole split, once)
 final_eval_tokens = 2**16   # validation tokens at the last step (the paper: 40 * 2**19)
 save_interval = 100         # checkpoint every N steps (and at the last step)
+save_interval_minutes = 0.0  # also checkpoint once this many minutes have passed since the last one (0 = off)
 keep_checkpoints = 2        # the newest N step_* directories are kept; 0 = keep every one
 keep_every = 0              # checkpoints at multiples of this step are never deleted (0 = none)
 core_interval = 0           # CORE on a subset every N steps, logged as `core` (Fig. 9; the authors: 2000)
@@ -89,6 +92,7 @@ dry_run = False             # print the run plan (size, horizon, FLOPs, data, me
 gpu = ""                    # dry_run: the accelerator to plan for, e.g. "H100"; empty = this machine's
 dist_timeout = 1800         # seconds a rank waits in a collective before the job ends with an error
 seed = 1337
+_WORDS = {"resume": ("auto",)}  # a setting that takes these words besides its type's values
 _defaults = dict(globals())
 settings = configure(globals(), sys.argv[1:])
 planning.check_settings(settings, _defaults)  # errors that name the setting, before any data, model or process group
@@ -138,6 +142,8 @@ if core_interval and master:
     corpus.fetch_bundle(bundle_dir, evaluation.bundle_url)
 
 runtime.init_group(rt, dist_timeout)
+cluster.check_shared_out_dir(out_dir, rt)  # every rank writes its part of each checkpoint there
+resume = resume is True or (resume == "auto" and bool(checkpoint.list_checkpoints(out_dir)))
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.BYTE_COUNTS}
@@ -146,7 +152,7 @@ core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fe
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
 ckpt_path, monitor = None, diagnostics.NEW_MONITOR
 if resume:
-    ckpt_path, meta = checkpoint.load_newest(out_dir, device, world_size, log=print0)
+    ckpt_path, meta = checkpoint.load_newest(out_dir, device, rank_files=True, log=print0)
     step, changed = meta["step"], planning.resume_changes(meta["settings"], settings, ckpt_path)
     if step >= num_steps:
         stop(f"--resume: {ckpt_path} is at step {step} and num_steps={num_steps}: nothing to do "
@@ -173,18 +179,25 @@ print0(f"{config.variant}, {config.loops} loops, {horizon['all']:,} parameters, 
 optimizers = build_optimizers(model, distributed=ddp, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
                               unembedding_lr=unembedding_lr, ns_dtype=torch.bfloat16 if dtype == "bf16" else None)
 loader_state = None
-if ckpt_path:
-    rank_state = checkpoint.load_rank_state(ckpt_path, rank, device)
-    for opt, state in zip(optimizers, rank_state["optimizers"]):
-        opt.load_state_dict(state)  # refuses a state saved by another world size or rank
-    loader_state, monitor = rank_state["loader"], rank_state["monitor"]
-    torch.set_rng_state(rank_state["rng"].cpu())
-    if cuda:
-        torch.cuda.set_rng_state(rank_state["cuda_rng"].cpu())
+if ckpt_path:  # this rank's own state; or, saved by another number of ranks, every rank's (resharded)
+    rank_states = checkpoint.load_rank_states(ckpt_path, meta, rank, world_size, device)
+    for i, opt in enumerate(optimizers):
+        checkpoint.load_optimizer(opt, [s["optimizers"][i] for s in rank_states])
+    own = rank_states[rank % len(rank_states)]
+    loader_state, monitor = [s["loader"] for s in rank_states], own["monitor"]
+    torch.set_rng_state(own["rng"].cpu())
+    if cuda and own["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(own["cuda_rng"].cpu())
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                          state=loader_state)
+resharded = ckpt_path and len(rank_states) != world_size and {
+    "step": step, "saved_world_size": len(rank_states), "skipped_documents": loader.skipped_documents}
+if resharded:
+    print0(f"{len(rank_states)} ranks saved {ckpt_path}, {world_size} resume it: the optimizer state is resharded "
+           f"exactly; the data continues after the furthest row group any rank had begun, skipping "
+           f"{loader.skipped_documents:,} documents no rank had reached")
 watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8 (SPEC 5)
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
@@ -217,7 +230,8 @@ def save(it):
     rank_state = dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
                       rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
                       monitor=monitor)
-    return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank,
+    clock.reset()
+    return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, world_size=world_size,
                            barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
                            keep_every=keep_every,
                            files={"tokenizer.json": tok.save})
@@ -225,11 +239,21 @@ def save(it):
 
 # ----------------------------------------------------------------------------- training
 log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps})
+if resharded:
+    log.write(resharded)
 bptt = None if bptt_loops == -1 else bptt_loops
 peak, last_good = planning.peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
+# SIGTERM / SIGUSR1 end the run at the next step's end, with a checkpoint (cluster.py); so may a clock
+preemption, clock, preempted, save_due = cluster.Preemption(), cluster.Clock(save_interval_minutes), False, False
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves
     record = {"step": step}
+    if step > start_step and (step % save_interval == 0 or last_step or save_due or preempted):
+        last_good = save(step)  # before evaluating: a preempted run has seconds, not minutes
+    if preempted and not last_step:  # at the last step the checkpoint is the run: finish it
+        log.write({"step": step, "preempted": preemption.signal or "another rank", "checkpoint": last_good})
+        stop(f"preempted ({preemption.signal or 'signal on another rank'}): saved {last_good}; exit "
+             f"{cluster.PREEMPTED}: requeue with --resume=auto", cluster.PREEMPTED)
     if step % eval_interval == 0 or last_step:
         record.update(validate(eval_tokens))
         print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f} ({record['val_tokens']:,} tokens)")
@@ -239,8 +263,6 @@ while True:
     if last_step:  # the paper's final number, on more tokens than the in-training checks
         record.update({f"final_{k}": v for k, v in validate(final_eval_tokens).items()})
         print0(f"final val bpb ({record['final_val_tokens']:,} tokens): {record['final_val_bpb']:.4f}")
-    if step > start_step and (step % save_interval == 0 or last_step):
-        last_good = save(step)
     if last_step:
         break
 
@@ -257,10 +279,12 @@ while True:
     # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
     # non-finite), so every rank takes the same decision below. An overflowed stream can still
     # give a finite, useless loss, hence the residual norm.
-    stats = torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)])
+    # Summed with them: whether any rank was signalled, or its clock says a checkpoint is due.
+    flags = torch.tensor([preemption.requested, clock.due()], dtype=train_loss.dtype, device=device)
+    stats = torch.cat([torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)]), flags])
     if ddp:
         dist.all_reduce(stats)
-    train_loss, resid = stats[0].item() / world_size, stats[1].item()
+    train_loss, resid, preempted, save_due = stats[0].item() / world_size, stats[1].item(), *(stats[2:] > 0).tolist()
     if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
         record.update(diagnostics.clipped_norms(model, watched, grad_clip))
     norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}

@@ -1,5 +1,5 @@
-"""Fixtures of test_data.py and test_corpus.py: the embedded corpus, built once, and a local HTTP
-server on 127.0.0.1 (never the internet) with Range support and scripted failures."""
+"""Shared fixtures: the embedded corpus, built once; train.py's data_dir; a local HTTP server on
+127.0.0.1 (never the internet) with Range support and scripted failures."""
 import os
 import re
 import threading
@@ -15,6 +15,12 @@ import corpus
 def embedded(tmp_path_factory):
     """The embedded corpus's shard paths, validation last (a fixture named corpus would hide the module)."""
     return corpus.embedded_corpus(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """train.py's data_dir for a test module's runs: its corpus and tokenizer are built once."""
+    return str(tmp_path_factory.mktemp("data"))
 
 
 class Handler(BaseHTTPRequestHandler):

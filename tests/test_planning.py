@@ -152,7 +152,8 @@ def test_the_defaults_and_every_allowed_choice_pass():
                     dict(horizon_params="non_embedding", num_steps=-1), dict(attn="mla", kv_rank=64),
                     dict(loops_sampler="uniform", loops_min=2, loops_max=5), dict(bptt_loops=2),
                     dict(loops_sampler="lognormal_poisson", loops=2, loops_max=9), dict(keep_checkpoints=0),
-                    dict(depth=4, n_kv_head=1), dict(watch_layer=2), dict(divergence_window=5, divergence_nats=0.5)):
+                    dict(depth=4, n_kv_head=1), dict(watch_layer=2), dict(divergence_window=5, divergence_nats=0.5),
+                    dict(save_interval_minutes=0.5), dict(resume="auto")):
         before_data(**changes)
     assert [resolve_dtype("auto", t) for t in ("cuda", "cpu", "mps")] == ["bf16", "fp32", "fp32"]
 
@@ -175,6 +176,7 @@ def test_the_defaults_and_every_allowed_choice_pass():
                                  "world_size = 2048"),
     (dict(watch_layer=3), "watch_layer=3: expected a layer index below depth=3"),
     (dict(divergence_nats=0.0), "divergence_nats=0.0: expected a positive number of nats"),
+    (dict(save_interval_minutes=-1.0), "save_interval_minutes=-1.0: expected minutes >= 0 (0 = off)"),
     (dict(loops_sampler="poisson"), "loops_sampler='poisson': expected 'fixed' or 'uniform' or"),
     (dict(loops_sampler="uniform", loops_min=4, loops_max=2), "loops_max=2: expected an integer >= loops_min=4"),
     (dict(loops_sampler="lognormal_poisson", loops=1), "loops=1: expected an integer >= 2"),

@@ -1,0 +1,183 @@
+"""train.py on a cluster, on CPU: preemption (a signal on one rank of a 2-rank gloo job), --resume=auto,
+time-based checkpoints, two torchrun "nodes" sharing (or not) out_dir, and a changed world size."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+import checkpoint
+import cluster
+from test_train import ROOT, TINY, losses, runner, train
+
+
+def read_log(out):
+    return losses(out)[1]
+
+
+def wait_for(predicate, timeout=120, what="a condition"):
+    t0 = time.time()
+    while not predicate():
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Each rank writes its pid, and its steps are slowed, so the test can signal a rank mid-run; rank 1
+# also signals itself again whenever it writes a checkpoint file (a second signal during the save).
+SLOW = textwrap.dedent("""
+    import os, signal, time, checkpoint, data
+    rank = os.environ.get("RANK", "0")
+    open(os.path.join(os.environ["PID_DIR"], "pid" + rank), "w").write(str(os.getpid()))
+    nxt, write = data.DataLoader.__next__, checkpoint._save
+    def slow(self):
+        time.sleep(0.15)
+        return nxt(self)
+    def signalled_write(obj, path):
+        if rank == "1":
+            os.kill(os.getpid(), signal.SIGUSR1)
+        write(obj, path)
+    data.DataLoader.__next__, checkpoint._save = slow, signalled_write
+""")
+
+
+def torchrun_cmd(script, nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+
+
+def test_sigterm_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(tmp_path, data_dir):
+    out, args = tmp_path / "run", ["--num_steps=30", "--total_batch_size=256", "--save_interval=100",
+                                  "--sample_tokens=0", "--eval_interval=100"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PID_DIR=str(tmp_path))
+    p = subprocess.Popen(torchrun_cmd(runner(tmp_path, SLOW)) + TINY + [f"--out_dir={out}", f"--data_dir={data_dir}",
+                         *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "log.jsonl"
+    wait_for(lambda: log.exists() and sum("loss" in line for line in log.read_text().splitlines()) >= 3,
+             what="three training steps")
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)  # rank 1 only; rank 0 never hears of it
+    stdout, stderr = p.communicate(timeout=120)
+    records = read_log(out)
+    trained = [r["step"] for r in records if "loss" in r]
+    last = records[-1]
+    # both ranks finished the step in progress, saved the step after it, and exited 75
+    assert last == {"step": trained[-1] + 1, "preempted": "another rank",
+                    "checkpoint": str(out / checkpoint.step_name(trained[-1] + 1))}, records[-3:]
+    # torchrun reports 75 for the first rank out, and terminates the other while it exits (75 or SIGTERM)
+    codes = re.findall(r"exitcode\s+: (-?\d+)", stderr)
+    assert str(cluster.PREEMPTED) in codes and set(codes) <= {str(cluster.PREEMPTED), "-15"}, stderr[-3000:]
+    assert f"preempted (signal on another rank): saved {last['checkpoint']}; exit 75" in stderr
+    assert trained[-1] + 1 < 30
+    step_dir, meta = checkpoint.load_newest(str(out), rank_files=True)
+    assert step_dir == last["checkpoint"] and meta["world_size"] == 2
+    assert sorted(os.listdir(step_dir)) == ["model.pt", "rank0.pt", "rank1.pt", "tokenizer.json"]
+    # the checkpoint is whole (rank 1 was signalled again during the save): the run resumes from it
+    # and ends as the same run never interrupted
+    train(out, data_dir, *args, "--resume=auto", script=runner(tmp_path), nproc=2)
+    whole = tmp_path / "whole"
+    train(whole, data_dir, *args, script=runner(tmp_path), nproc=2)
+    resumed, uninterrupted = (torch.load(d / "params_rank0.pt") for d in (out, whole))
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert losses(out)[0] == losses(whole)[0]
+
+
+def test_resume_auto_starts_fresh_or_continues(tmp_path, data_dir):
+    out, args = tmp_path / "auto", ["--save_interval=2", "--sample_tokens=0", "--resume=auto"]
+    p = train(out, data_dir, "--num_steps=4", *args)  # absent: a fresh run
+    assert "resuming" not in p.stdout and sorted(losses(out)[0]) == [0, 1, 2, 3]
+    p = train(out, data_dir, "--num_steps=6", *args)  # holds a checkpoint: continued
+    assert f"resuming from {out / 'step_000004'} (step 4)" in p.stdout and sorted(losses(out)[0]) == list(range(6))
+    p = train(out, data_dir, "--num_steps=6", *args)  # finished: nothing to do, exit 0, nothing touched
+    assert "nothing to do" in p.stdout
+    never_saved = tmp_path / "never_saved"  # a run preempted before its first checkpoint: starts over
+    never_saved.mkdir()
+    (never_saved / "log.jsonl").write_text('{"step": 0, "loss": 9.0}\n')
+    train(never_saved, data_dir, "--num_steps=2", *args)
+    assert sorted(losses(never_saved)[0]) == [0, 1]
+    p = train(tmp_path / "empty", data_dir, "--num_steps=2", "--resume=True", check=False)
+    assert p.returncode == 1 and "--resume: no checkpoint" in p.stderr  # True still means: continue a run
+
+
+SAVES = textwrap.dedent("""
+    import os, checkpoint
+    save = checkpoint.save
+    def counted(out_dir, step, *args, **kwargs):
+        with open(os.path.join(os.environ["PID_DIR"], "saves"), "a") as f:
+            f.write(f"{step}\\n")
+        return save(out_dir, step, *args, **kwargs)
+    checkpoint.save = counted
+""")
+
+
+def test_time_based_checkpoints_never_save_a_step_twice(tmp_path, data_dir):
+    env_dir = tmp_path / "pids"
+    env_dir.mkdir()
+    os.environ["PID_DIR"] = str(env_dir)
+    try:
+        # due at every step (a microsecond), beside save_interval=3: each step saved once
+        train(tmp_path / "clock", data_dir, "--num_steps=7", "--save_interval=3", "--save_interval_minutes=1e-8",
+              "--keep_checkpoints=0", "--sample_tokens=0", script=runner(tmp_path, SAVES))
+        assert (env_dir / "saves").read_text().split() == [str(s) for s in range(1, 8)]
+        (env_dir / "saves").unlink()
+        train(tmp_path / "steps", data_dir, "--num_steps=7", "--save_interval=3", "--keep_checkpoints=0",
+              "--sample_tokens=0", script=runner(tmp_path, SAVES))
+        assert (env_dir / "saves").read_text().split() == ["3", "6", "7"]
+    finally:
+        del os.environ["PID_DIR"]
+
+
+def two_nodes(out_dirs, data_dir, *args, check=True):
+    """Two torchrun agents, one process each, meeting at a c10d rendezvous on 127.0.0.1, as two nodes."""
+    port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                               "--rdzv_id=two_nodes", "train.py"] + TINY + [f"--out_dir={out_dirs[node]}",
+                              f"--data_dir={data_dir}", "--total_batch_size=256", "--sample_tokens=0", *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    if check:
+        for code, stdout, stderr in results:
+            assert code == 0, stderr[-3000:]
+    return results
+
+
+def test_two_nodes_train_save_and_resume(tmp_path, data_dir):
+    out = tmp_path / "shared"
+    two_nodes([out, out], data_dir, "--num_steps=4", "--save_interval=2", "--resume=auto")
+    two_nodes([out, out], data_dir, "--num_steps=6", "--save_interval=2", "--resume=auto")
+    assert sorted(losses(out)[0]) == list(range(6))
+    assert checkpoint.load_newest(str(out), rank_files=True)[1]["world_size"] == 2
+
+
+def test_out_dir_not_shared_by_the_nodes_is_an_error(tmp_path, data_dir):
+    results = two_nodes([tmp_path / "node0", tmp_path / "node1"], data_dir, "--num_steps=2", check=False)
+    message = "of 2 ranks do not see the file rank 0 wrote there: out_dir must be on a filesystem shared by all nodes"
+    assert all(code != 0 and message in stderr for code, _, stderr in results), results[0][2][-2000:]
+    assert not list((tmp_path / "node0").glob("step_*"))
+
+
+def test_world_size_2_then_1_then_2(tmp_path, data_dir):
+    out, args = tmp_path / "resized", ["--total_batch_size=256", "--save_interval=2", "--sample_tokens=0"]
+    train(out, data_dir, "--num_steps=4", *args, script=runner(tmp_path), nproc=2)
+    p = train(out, data_dir, "--num_steps=6", "--resume=auto", *args)  # one rank: twice the accumulation
+    assert "2 ranks saved" in p.stdout and "1 resume it: the optimizer state is resharded exactly" in p.stdout
+    assert checkpoint.load_newest(str(out), rank_files=True)[1]["world_size"] == 1
+    p = train(out, data_dir, "--num_steps=8", "--resume=auto", *args, script=runner(tmp_path), nproc=2)
+    by_step, records = losses(out)
+    resized = [r for r in records if "saved_world_size" in r]
+    assert [(r["step"], r["saved_world_size"]) for r in resized] == [(4, 2), (6, 1)]
+    assert all(r["skipped_documents"] >= 0 for r in resized) and sorted(by_step) == list(range(8))
+    p0, p1 = (torch.load(out / f"params_rank{r}.pt") for r in (0, 1))
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)  # the resharded ranks still agree
+    assert all(map(lambda v: v == v, by_step.values()))
