@@ -231,10 +231,13 @@ def save(it):
                       rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
                       monitor=monitor)
     clock.reset()
-    return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, world_size=world_size,
-                           barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
-                           keep_every=keep_every,
-                           files={"tokenizer.json": tok.save})
+    try:
+        return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, world_size=world_size,
+                               barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
+                               keep_every=keep_every, files={"tokenizer.json": tok.save})
+    except OSError as e:  # too little disk (runtime.DiskSpaceError), or a write failed: on every rank alike
+        stop(f"step {it}: {e}; the earlier checkpoints are untouched. Last good checkpoint: "
+             f"{last_good or 'none yet'}", 1)
 
 
 # ----------------------------------------------------------------------------- training
