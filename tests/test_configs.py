@@ -33,7 +33,8 @@ def train_defaults():
             body.append(node)
     namespace = {}
     exec(compile(ast.Module(body=body, type_ignores=[]), "train.py", "exec"), namespace)
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
+    settings = {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
+    return settings | {"_WORDS": namespace["_WORDS"]}  # what configure reads: the settings, and the words they take
 
 
 def apply(argv, monkeypatch):
