@@ -238,7 +238,7 @@ def prune(out_dir, keep, keep_every=0):
 # ------------------------------------------------------------------------------------
 # The run directory: one run at a time, and a fresh run never mixes with an old one.
 
-RUN_FILES = ("log.jsonl",)
+RUN_FILES = ("log.jsonl", "wandb.json")  # wandb.json: tracking.py's W&B run id
 
 
 def prepare_out_dir(out_dir, resume, overwrite):

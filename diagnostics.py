@@ -58,10 +58,11 @@ def divergence(monitor, loss, nats):
 
 class Log:
     """out_dir/settings.json (written at once) and out_dir/log.jsonl (appended, one JSON line per
-    record, flushed); out_dir None (ranks other than 0) writes nothing."""
+    record, flushed); out_dir None (ranks other than 0) writes nothing. A tracker (tracking.Tracker)
+    gets each record too, and is finished with the log."""
 
-    def __init__(self, out_dir, settings):
-        self.file = None
+    def __init__(self, out_dir, settings, tracker=None):
+        self.file, self.tracker = None, tracker
         if out_dir is not None:
             atomic_write(os.path.join(out_dir, "settings.json"), json.dumps(settings, indent=1))
             self.file = open(os.path.join(out_dir, "log.jsonl"), "a")
@@ -70,7 +71,11 @@ class Log:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.tracker:
+            self.tracker.log(record)
 
     def close(self):
         if self.file:
             self.file.close()
+        if self.tracker:
+            self.tracker.finish()

@@ -79,6 +79,7 @@ from model import ROPE_SPAN
 import report
 import runtime
 from runtime import print0
+import tracking
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
@@ -98,6 +99,7 @@ bundle_url = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip
 max_per_task = -1               # CORE items per task after the seeded shuffle; <= 0 = all (as nanochat)
 sample_tokens = 48              # sample mode: tokens generated per prompt and K
 temperature = 0.0               # sample mode: 0 = greedy
+wandb = False                   # also log the results to the run's W&B run (train.py's wandb_project)
 seed = 42                       # sample mode: sampling seed when temperature > 0
 out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
@@ -477,6 +479,8 @@ def main(argv):
     results, measured, failed = report.run_modes(plans, functools.partial(estimate, c, ctx), ctx.numerics, save,
                                                  loops_list, print0)
     print0("\n" + report.table(results) + (f"written to {json_path}" if measured else "nothing computed"))
+    if c.wandb and rt.rank == 0 and measured:  # into the W&B run the training logged (tracking.py)
+        tracking.log_results(os.path.dirname(meta["path"]), results, meta.get("step"))
     runtime.finish(rt)  # rank 0 was writing
     if failed:
         print0(report.failures(failed, len(run_modes), json_path, measured), file=sys.stderr)

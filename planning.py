@@ -13,6 +13,7 @@ import torch
 import checkpoint
 import corpus
 import data
+import tracking
 from model import GPT, config_for_depth
 from optim import LOOP_SAMPLERS
 from runtime import dtype_bytes, resolve_dtype
@@ -90,7 +91,7 @@ def peak_flops(name):
 RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
              "final_eval_tokens", "save_interval", "save_interval_minutes", "keep_checkpoints", "keep_every",
              "sample_tokens", "device", "compile", "dtype", "data_dir", "divergence_window", "divergence_nats",
-             "dist_timeout", "dry_run", "gpu"}
+             "dist_timeout", "dry_run", "gpu", "wandb_project"}
 
 
 def check_settings(s, defaults):
@@ -127,6 +128,8 @@ def check_settings(s, defaults):
         bad("divergence_nats", "a positive number of nats")
     if s["save_interval_minutes"] < 0:
         bad("save_interval_minutes", "minutes >= 0 (0 = off)")
+    if s["wandb_project"]:
+        tracking.require(f"wandb_project={s['wandb_project']!r}")  # installed? imported only when set
     # A setting that would do nothing is a mistake in the command, not something to ignore.
     for key, inert, why in (("kv_rank", s["attn"] != "mla", "unless attn='mla'"),
                             ("horizon_params", s["num_steps"] != -1, "unless num_steps=-1"),

@@ -20,6 +20,7 @@ import time
 from types import SimpleNamespace
 
 from configurator import configure
+import tracking
 
 
 # ----------------------------------------------------------------------------- Table 1
@@ -114,6 +115,8 @@ def parse(argv, defaults, source, modes):
     for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
         if getattr(c, key) < 1:
             raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
+    if c.wandb:
+        tracking.require("--wandb=True")  # installed? found before any model time is spent
     return argv[0], c, [m for m in modes if m in run_modes], sorted(set(map(int, loops_list))), thresholds
 
 

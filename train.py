@@ -25,6 +25,7 @@ from model import GPT, GPTConfig
 import planning
 import runtime
 from runtime import print0
+import tracking
 from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients, sample_loops
 
 # ----------------------------------------------------------------------------- settings
@@ -45,6 +46,7 @@ core_interval = 0           # CORE on a subset every N steps, logged as `core` (
 core_max_per_task = 500     # items per CORE task during training (the authors: 500)
 bundle_dir = ""             # the DCLM eval bundle for core_interval; empty = data_dir/eval_bundle
 sample_tokens = 64          # tokens sampled at the end of training (0 = no sample)
+wandb_project = ""          # log to Weights & Biases under this project (tracking.py); empty = off
 # data
 dataset = "embedded"        # embedded (built from Python's own docs, no network) | fineweb
 data_dir = "data"
@@ -119,6 +121,7 @@ run_lock = None
 if master:
     checkpoint.prepare_out_dir(out_dir, resume, overwrite)
     run_lock = checkpoint.lock_out_dir(out_dir)
+tracker = tracking.Tracker(wandb_project, out_dir, settings) if master and wandb_project else None
 
 # Data: every rank prepares it before the process group exists (a download of many GB would
 # outlast a collective's timeout); file locks make one process do each piece of work.
@@ -241,7 +244,7 @@ def save(it):
 
 
 # ----------------------------------------------------------------------------- training
-log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps})
+log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps}, tracker)
 if resharded:
     log.write(resharded)
 bptt = None if bptt_loops == -1 else bptt_loops
