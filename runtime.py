@@ -6,9 +6,12 @@
     autocast = runtime.precision(model, rt.device_type, dtype)
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
+    runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
     runtime.sample(model, tokenizer, "The", 64, loops=3)
 """
+import errno
 import os
+import shutil
 import sys
 from datetime import timedelta
 from types import SimpleNamespace
@@ -130,6 +133,39 @@ def atomic_write(path, content):
         with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
             f.write(content)
     os.replace(tmp, path)
+
+
+class DiskSpaceError(OSError):
+    """Too little free disk space for what is about to be written. An OSError with errno ENOSPC, the
+    one the write itself would raise, so `except OSError` serves both; it carries path, needed and
+    free (bytes) and its message names them."""
+
+    def __init__(self, what, path, needed, free, hint):
+        super().__init__(f"{what}: needs {size_text(needed)} in {path}, but its disk has only "
+                         f"{size_text(free)} free; {hint}")
+        self.errno, self.path, self.needed, self.free = errno.ENOSPC, path, needed, free
+
+
+def size_text(n):
+    """Bytes as people read them, and exactly: "1.24 GB (1,240,000,000 bytes)"."""
+    return (f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB") + f" ({n:,} bytes)"
+
+
+def free_bytes(path):
+    """Bytes this process may still write on the filesystem of path (of its nearest existing parent
+    while path does not exist yet): the one reading of free space, which tests replace."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(path, needed, what, hint):
+    """DiskSpaceError(what, ...) unless the disk of path has `needed` bytes free; returns the free bytes."""
+    free = free_bytes(path)
+    if free < needed:
+        raise DiskSpaceError(what, path, needed, free, hint)
+    return free
 
 
 def sample(model, tokenizer, prompt, max_new_tokens, **generate_kwargs):
