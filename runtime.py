@@ -12,6 +12,7 @@
 import errno
 import os
 import shutil
+import socket
 import sys
 from datetime import timedelta
 from types import SimpleNamespace
@@ -123,10 +124,17 @@ def precision(model, device_type, dtype):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
+def temp_path(path):
+    """path + a suffix no other process writes to: its host and pid. Processes on several nodes may
+    prepare files in one shared directory at once (flock does not reach across NFS or Lustre
+    clients everywhere), and pids alone repeat across hosts (containers start them at 1)."""
+    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+
+
 def atomic_write(path, content):
     """Write content (str, bytes, or a function that writes the file it is given) to path + a temp
     suffix, then rename it over path: readers see the old file or the new one, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_path(path)
     if callable(content):
         content(tmp)
     else:
