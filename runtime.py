@@ -7,10 +7,13 @@
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
     runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
+    with runtime.user_errors(): ...   # a script's top level: a bad setting is a message, no traceback
     runtime.sample(model, tokenizer, "The", 64, loops=3)
 """
+import contextlib
 import errno
 import os
+import re
 import shutil
 import socket
 import sys
@@ -23,17 +26,32 @@ import torch.distributed as dist
 
 def setup(device=""):
     """This process's place under torchrun (RANK, LOCAL_RANK, WORLD_SIZE; one process without it)
-    and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU. No process group
-    yet: train.py prepares data first, which may outlast a collective's timeout."""
+    and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU (LOCAL_RANK);
+    "cuda:N" = GPU N, for one process only (under torchrun each rank takes its LOCAL_RANK's: choose
+    the GPUs with CUDA_VISIBLE_DEVICES); "mps"; "cpu" (no index: there is one CPU device). A device
+    this torch cannot use is a ValueError naming the setting. No process group yet: train.py
+    prepares data first, which may outlast a collective's timeout."""
     rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0),
                                                                        ("WORLD_SIZE", 1)))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' (one process), 'mps', or '' "
+                         "(cuda if there is one, else cpu)")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device; "
                              "use --device=cpu")
-        device = f"cuda:{local_rank}"
+        index = int(device[5:]) if ":" in device else local_rank
+        if ":" in device and world > 1:
+            raise ValueError(f"device={device!r} under torchrun: each rank uses the GPU of its LOCAL_RANK; use "
+                             "--device=cuda (CUDA_VISIBLE_DEVICES chooses the GPUs)")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        device = f"cuda:{index}"
         torch.cuda.set_device(device)
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device='mps', but this torch ({torch.__version__}) sees no MPS device; use --device=cpu")
     return SimpleNamespace(device=device, device_type=device.split(":")[0], rank=rank, local_rank=local_rank,
                            world=world, ddp=world > 1, master=rank == 0)
 
@@ -101,7 +119,7 @@ def dtype_bytes(dtype):
     """Bytes per element of a precision setting, "bf16" or "fp32": the one check of dtype."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32' (or 'auto' in train.py and bench.py: "
-                         f"bf16 on CUDA, fp32 elsewhere)")
+                         f"bf16 on CUDA, fp32 elsewhere; '' in eval.py: the checkpoint's)")
     return 2 if dtype == "bf16" else 4
 
 
@@ -174,6 +192,18 @@ def check_free_space(path, needed, what, hint):
     if free < needed:
         raise DiskSpaceError(what, path, needed, free, hint)
     return free
+
+
+@contextlib.contextmanager
+def user_errors():
+    """A script's top level: a ValueError or FileNotFoundError (the errors whose message names the
+    setting, file or value and says what is allowed) ends the process with that message on stderr
+    and exit status 1, without a traceback. Any other exception is a bug and keeps its traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def sample(model, tokenizer, prompt, max_new_tokens, **generate_kwargs):
