@@ -26,11 +26,11 @@ import data
 from configurator import configure
 from model import GPT, config_for_depth
 from planning import peak_flops
-from runtime import precision, resolve_dtype
+from runtime import precision, resolve_dtype, setup, user_errors
 from optim import build_optimizers
 
 mode = "ratios"             # ratios | train | memory | loader (memory_step: one memory run)
-device = "cpu"
+device = "cpu"              # cpu | cuda | cuda:N | mps; empty = cuda if there is one, else cpu
 depth = 4
 sequence_len = 256
 batch_size = 8
@@ -48,12 +48,14 @@ dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (ru
 steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader mode
 seconds = 5.0               # loader mode
-configure(globals(), sys.argv[1:])
-cuda = device.startswith("cuda")
-dtype = resolve_dtype(dtype, "cuda" if cuda else "cpu")
 COMPILE_MODES = ("eager", "regional", "whole")
-if compile_mode not in COMPILE_MODES:
-    raise ValueError(f"compile_mode={compile_mode!r}: expected one of {COMPILE_MODES}")
+with user_errors():  # a bad setting: its message and exit status 1, no traceback (as eval.py)
+    configure(globals(), sys.argv[1:])
+    rt = setup(device)  # the device checks of train.py and eval.py; "cuda" becomes "cuda:0"
+    device, cuda = rt.device, rt.device_type == "cuda"
+    dtype = resolve_dtype(dtype, rt.device_type)
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode={compile_mode!r}: expected one of {COMPILE_MODES}")
 
 
 def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's CPU BPE
@@ -62,7 +64,7 @@ def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's
     model = GPT(config_for_depth(depth, sequence_len=seq, vocab_size=vocab, variant=variant, loops=loops, **kw))
     model.init_weights()
     model.to(device)
-    return model, precision(model, torch.device(device).type, dtype)
+    return model, precision(model, rt.device_type, dtype)
 
 
 def compiled(model):
@@ -256,6 +258,7 @@ def loader():
 
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader}
-    if mode not in modes:
-        raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
+    with user_errors():
+        if mode not in modes:
+            raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
     modes[mode]()

@@ -12,6 +12,8 @@ Checkpoints and run directories: how a multi-day run never loses work.
 The rules, each one a test in tests/test_train.py:
 - A checkpoint is written into tmp_step_N and renamed to step_N once every rank has written its
   part, so a kill at any moment leaves the previous checkpoint whole.
+- A checkpoint the disk cannot hold is refused before it is written (its size: the newest one's), and
+  a write that fails on any rank makes every rank raise: nothing of it stays, no older one is pruned.
 - Non-finite parameters are never saved; the newest checkpoint is never pruned.
 - Everything is loaded with torch.load(weights_only=True): a checkpoint holds tensors, numbers,
   strings, lists and dicts, so loading one from someone else runs none of their code.
@@ -20,7 +22,9 @@ The rules, each one a test in tests/test_train.py:
 - Only directories named step_<digits> holding model.pt are checkpoints, ordered by their number.
   An unreadable one is reported and skipped: resume and eval fall back to the newest readable one.
 """
+import errno
 import fcntl
+import math
 import os
 import re
 import shutil
@@ -30,6 +34,8 @@ from dataclasses import asdict
 import torch
 
 from model import GPT, GPTConfig
+import runtime
+from runtime import DiskSpaceError  # noqa: F401  (save raises it: callers catch checkpoint.DiskSpaceError)
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
 # authors' code does. Format-1 weights were trained with the opposite rotation.
@@ -186,35 +192,125 @@ def _save(obj, path):
         os.fsync(f.fileno())  # on disk before the directory is renamed into place
 
 
-def save(out_dir, step, model, rank_state, *, settings, rank=0, world_size=1, barrier=lambda: None, keep=2,
-         keep_every=0, files=None):
+# Free space a checkpoint asks for beyond its estimate: a fraction, and bytes for the files whose
+# size is known only once written (tokenizer.json: Qwen3's is 11 MB) and the filesystem's overhead.
+SPACE_MARGIN, SPACE_SLACK = 0.05, 16 * 2**20
+
+
+def _tensor_bytes(obj):
+    """Bytes torch.save writes for the tensors in obj (nested dicts, lists, tuples): every storage
+    once and whole, as torch.save stores it (a view saves its whole storage)."""
+    storages = {}
+
+    def walk(o):
+        if torch.is_tensor(o):
+            storages[(o.device, o.untyped_storage().data_ptr())] = o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            list(map(walk, o.values()))
+        elif isinstance(o, (list, tuple)):
+            list(map(walk, o))
+    walk(obj)
+    return sum(storages.values())
+
+
+def checkpoint_bytes(out_dir, state, rank_state, world_size):
+    """Free bytes the next checkpoint in out_dir needs: the size of the newest one there (every file
+    in it), else model.pt's tensors plus world_size times this rank's (the ranks' shards of the
+    optimizer state are about equal); with SPACE_MARGIN and SPACE_SLACK to spare. The whole
+    checkpoint, on every rank: all ranks write into one directory, so its disk must hold all parts."""
+    found = list_checkpoints(out_dir)
+    if found:
+        size = sum(e.stat().st_size for e in os.scandir(found[-1][1]) if e.is_file())
+    else:
+        size = _tensor_bytes(state) + world_size * _tensor_bytes(rank_state)
+    return math.ceil(size * (1 + SPACE_MARGIN)) + SPACE_SLACK
+
+
+# How a rank's part of a checkpoint went, as the ranks tell each other (save)
+WRITTEN, NO_SPACE, DISK_FULL, FAILED = range(4)
+PUBLISH = "rename it into place or prune the older checkpoints"
+
+
+def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=None, keep=2, keep_every=0,
+         files=None):
     """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
     prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer).
-    Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one."""
+    Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one.
+
+    Every rank first checks that the disk of out_dir has room for the whole checkpoint
+    (checkpoint_bytes), then writes its part into tmp_step_N; the ranks then agree (an all-reduce,
+    the collective that also keeps them in step) whether every part was written. If any rank could
+    not, rank 0 removes tmp_step_N and every rank raises: a DiskSpaceError (an OSError) naming the
+    path, the bytes needed and free, with the same message on every rank, when a disk was too full;
+    else the failing rank its own error and the others a RuntimeError naming it. Either way nothing
+    of step N is kept and the earlier checkpoints are untouched (not pruned, not renamed).
+    barrier: unused (the agreements synchronise the ranks); accepted for callers that pass it."""
     state = model.state_dict()
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise ValueError(f"step {step}: non-finite parameters {bad[:3]}; not saving over a good checkpoint")
     final, tmp = (os.path.join(out_dir, p + step_name(step)) for p in ("", "tmp_"))
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-        os.makedirs(tmp)
-        _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT,
-                   world_size=world_size),
-              os.path.join(tmp, "model.pt"))
-        for name, write in (files or {}).items():
-            write(os.path.join(tmp, name))
-    barrier()
-    _save(rank_state, os.path.join(tmp, f"rank{rank}.pt"))
-    barrier()
-    if rank == 0:
-        old = final + ".old"
-        if os.path.isdir(final):  # the same step saved again: the old copy goes only after the new is in
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        prune(out_dir, keep, keep_every)
-    barrier()
+    old = final + ".old"
+    world = runtime.rank_world()[1]
+    needed = checkpoint_bytes(out_dir, state, rank_state, world)
+    hint = (f"nothing of {os.path.basename(final)} was kept and the earlier checkpoints are untouched; free "
+            "some space, lower keep_checkpoints, or choose another out_dir")
+
+    def what(r):
+        return f"checkpoint step {step}" + (f" (rank {r} of {world})" if world > 1 else "")
+
+    def agree(work, doing="write its part"):
+        """work() on this rank, then every rank learns how every rank's part went, and raises if any failed."""
+        error, report = None, [WRITTEN, needed, 0]
+        try:
+            work()
+        except runtime.DiskSpaceError as e:
+            error, report = e, [NO_SPACE, needed, e.free]
+        except Exception as e:
+            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            error, report = e, [DISK_FULL if full else FAILED, needed, runtime.free_bytes(out_dir)]
+        reports = torch.zeros(world, 3, dtype=torch.long, device=next(model.parameters()).device)
+        reports[rank] = torch.tensor(report)
+        runtime.all_reduce_sum(reports)  # each rank filled its own row
+        failed = [(r, *row) for r, row in enumerate(reports.tolist()) if row[0] != WRITTEN]
+        if not failed:
+            return
+        if rank == 0:  # nothing half-written stays, and a replaced step_N comes back
+            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.isdir(old) and not os.path.isdir(final):
+                os.replace(old, final)
+        r, kind, r_needed, r_free = failed[0]
+        if kind == FAILED:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"{what(r)}: could not {doing} (that rank's own error says why)"
+                               + (f"; {hint}" if doing != PUBLISH else ""))
+        filled = ", which filled the disk while being written" if kind == DISK_FULL else ""
+        raise runtime.DiskSpaceError(what(r) + filled, out_dir, r_needed, r_free, hint) from (
+            None if isinstance(error, runtime.DiskSpaceError) else error)
+
+    def first_part():  # every rank checks the space; rank 0 writes the directory, model.pt, the files
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving: its space is free
+        runtime.check_free_space(out_dir, needed, what(rank), hint)
+        if rank == 0:
+            os.makedirs(tmp)
+            _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT,
+                       world_size=world), os.path.join(tmp, "model.pt"))
+            for name, write in (files or {}).items():
+                write(os.path.join(tmp, name))
+
+    def publish():  # rank 0: step_N appears whole, then the old ones go
+        if rank == 0:
+            if os.path.isdir(final):  # the same step saved again: the old copy goes only after the new is in
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            prune(out_dir, keep, keep_every)
+
+    agree(first_part)
+    agree(lambda: _save(rank_state, os.path.join(tmp, f"rank{rank}.pt")))
+    agree(publish, PUBLISH)
     return final
 
 

@@ -6,6 +6,12 @@ download is locked (concurrent ranks fetch a file once), resumed, retried and re
 only when whole. Shards are parquet files with a `text` column; the last is validation. A
 manifest.json beside complete shards records their sizes and rows, checked whenever they are used.
 
+Several nodes may prepare one directory on a shared filesystem at once, and flock does not exclude
+processes of different hosts on every NFS or Lustre mount: the lock only spares work. What makes
+it safe is that every file is written under a name of its own host (and process) and renamed into
+place whole; whichever host renames last puts the same bytes there (downloads and builds are
+deterministic). Before bytes are written, the free space is checked (runtime.check_free_space).
+
     python corpus.py --download 249   # the authors' 249 training shards + their validation shard
     python corpus.py --embedded       # build the embedded corpus (no network)
 """
@@ -23,6 +29,7 @@ import pathlib
 import pkgutil
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -38,6 +45,7 @@ import requests
 from urllib3.exceptions import NameResolutionError
 import yaml
 
+import runtime
 from runtime import atomic_write
 
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -76,7 +84,8 @@ def locked(path):
     try:
         yield
     finally:
-        os.remove(lock)
+        with contextlib.suppress(FileNotFoundError):  # a host whose flock did not exclude ours removed it
+            os.remove(lock)
         f.close()
 
 
@@ -108,7 +117,8 @@ class Progress:
 
 
 def _fetch(url, part, progress):
-    """One attempt: fetch url into the temp file `part`, resuming it with a Range request."""
+    """One attempt: fetch url into the temp file `part`, resuming it with a Range request. The bytes
+    the response announces must fit on the disk before any is written."""
     have = os.path.getsize(part) if os.path.exists(part) else 0
     # identity encoding: a Range counts bytes of the stored file, not of a gzip stream
     headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={have}-"} if have else {})
@@ -120,6 +130,9 @@ def _fetch(url, part, progress):
         if r.status_code != 206:  # the server ignored Range and sends the whole file
             have = 0
         expected = have + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        if expected is not None:
+            runtime.check_free_space(os.path.dirname(part), expected - have, f"downloading {url}",
+                                     "nothing more was written; free some space, or choose another data_dir")
         with open(part, "ab" if have else "wb") as f:
             for chunk in r.iter_content(1 << 16):
                 f.write(chunk)
@@ -128,16 +141,22 @@ def _fetch(url, part, progress):
         raise requests.ConnectionError(f"got {os.path.getsize(part)} of {expected} bytes")
 
 
+def _part(path):
+    """Where a download of path collects its bytes: this host's own file, which a restart resumes."""
+    return f"{path}.part.{socket.gethostname()}"
+
+
 def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):
     """Download url to path once: retries with exponential back-off, resume, atomic rename.
 
-    Concurrent callers wait on the lock; bytes go to path + '.part', renamed only when complete.
-    hint ends the error message: how to do without the network.
+    Concurrent callers wait on the lock; bytes go to path + '.part.<host>', renamed only when
+    complete: a restart on the same host resumes it, another host sharing the directory (whose
+    lock may not exclude ours) writes its own. hint ends the error message: how to do without the network.
     """
     with locked(path):
         if os.path.exists(path):  # already there, or another rank finished it while we waited
             return path
-        part, progress = path + ".part", progress or Progress(path, 1, "files", each=True)
+        part, progress = _part(path), progress or Progress(path, 1, "files", each=True)
         for attempt in range(1, retries + 1):
             try:
                 _fetch(url, part, progress)
@@ -194,7 +213,9 @@ def _read_manifest(directory):
 
 
 def write_manifest(directory, names):
-    """Record the complete shards' sizes and rows in directory/manifest.json, keeping other entries."""
+    """Record the complete shards' sizes and rows in directory/manifest.json, keeping other entries.
+    Read, merged, and replaced whole (runtime.atomic_write). Without a lock across hosts, a host
+    writing other names at the same moment may drop ours; whoever uses them next records them again."""
     path = os.path.join(directory, MANIFEST)
     with locked(path):
         manifest = _read_manifest(directory)
@@ -255,6 +276,17 @@ def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1
         raise ValueError(f"{e}; delete it to download it again") from e
     print(f"FineWeb-Edu: {n} training + 1 validation shards in {data_dir}: "
           f"{len(names) - len(todo)} present, downloading {len(todo)} (~{len(todo) * SHARD_GB:.1f} GB)")
+    # The space they need, before the first byte: a size the manifest recorded (a shard downloaded
+    # before, since deleted), else SHARD_GB, less what this host's partial downloads already hold.
+    # (Each download also checks its response's exact Content-Length before writing.)
+    recorded, needed = _read_manifest(data_dir), 0
+    for name in todo:
+        part = _part(os.path.join(data_dir, name))
+        needed += recorded.get(name, {}).get("bytes", int(SHARD_GB * 1e9))
+        needed -= os.path.getsize(part) if os.path.exists(part) else 0
+    runtime.check_free_space(data_dir, needed, f"downloading {len(todo)} FineWeb-Edu shards",
+                             "nothing was downloaded; free some space, choose another data_dir, or train on "
+                             "fewer shards (num_shards)")
     hint = hint or f"offline? put the shards in data_dir={data_dir!r}, or use dataset='embedded'"
     progress = Progress(f"downloading shards into {data_dir}", len(todo), "files", each=True)
     with ThreadPoolExecutor(4) as pool:
@@ -320,6 +352,17 @@ def _embedded_documents():
     return docs
 
 
+def _cache_problem(directory, names):
+    """Why directory does not hold the complete shards `names` its manifest vouches for; "" if it does."""
+    if not os.path.isdir(directory):
+        return "not built yet"
+    try:
+        unknown = verify_manifest(directory, names)
+    except ValueError as e:
+        return str(e)
+    return f"{unknown} missing or not in {MANIFEST}" if unknown else ""
+
+
 def embedded_corpus(data_dir):
     """Build (once, cached in data_dir/embedded/) the embedded corpus; return its shard paths.
 
@@ -330,16 +373,12 @@ def embedded_corpus(data_dir):
     names = [SHARD_NAME.format(i) for i in range(EMBEDDED_SHARDS)]
     paths = [os.path.join(out, name) for name in names]
     with locked(out):
+        problem = _cache_problem(out, names)
+        if not problem:
+            return paths
         if os.path.isdir(out):
-            try:
-                unknown = verify_manifest(out, names)
-                problem = unknown and f"{unknown} missing or not in {MANIFEST}"
-            except ValueError as e:
-                problem = e
-            if not problem:
-                return paths
             print(f"embedded corpus: {problem}; rebuilding it in {out}")
-            shutil.rmtree(out)
+            shutil.rmtree(out, ignore_errors=True)  # another host may be removing it too
         docs = _embedded_documents()
         random.Random(1234).shuffle(docs)  # mix topics and modules before splitting train/val
         total = sum(map(len, docs))  # the last documents, ~8% of the text, are the validation split
@@ -348,14 +387,20 @@ def embedded_corpus(data_dir):
         train, val = docs[:-n_val], docs[-n_val:]
         per = -(-len(train) // (EMBEDDED_SHARDS - 1))
         shards = [train[i:i + per] for i in range(0, len(train), per)] + [val]
-        tmp = f"{out}.tmp{os.getpid()}"
+        tmp = runtime.temp_path(out)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed build
         os.makedirs(tmp)
         for i, texts in enumerate(shards):  # into a temp dir, then rename: never half a corpus
             pq.write_table(pa.table({"text": pa.array(texts, pa.string())}),
                            os.path.join(tmp, SHARD_NAME.format(i)), row_group_size=EMBEDDED_ROW_GROUP)
         write_manifest(tmp, names)
-        os.rename(tmp, out)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another host renamed its build there first: the same corpus, so use it
+            if _cache_problem(out, names):
+                raise
+            shutil.rmtree(tmp)
+            return paths
         n_bytes = [sum(len(t.encode()) for t in shard) for shard in shards]
         print(f"embedded corpus: {len(docs)} docs, {sum(n_bytes):,} bytes in {len(shards)} shards at {out} "
               f"(validation: {len(val)} docs, {n_bytes[-1]:,} bytes)")
@@ -386,12 +431,19 @@ def fetch_bundle(bundle_dir, url):
     zip_path = download(url, os.path.abspath(bundle_dir) + ".zip")  # creates bundle_dir's parent
     with tempfile.TemporaryDirectory(dir=os.path.dirname(zip_path)) as tmp:
         with zipfile.ZipFile(zip_path) as z:
+            runtime.check_free_space(tmp, sum(i.file_size for i in z.infolist()), f"unpacking {zip_path}",
+                                     "nothing was unpacked; free some space, or choose another bundle_dir")
             z.extractall(tmp)
         inner = os.path.join(tmp, "eval_bundle")
         if not os.path.isdir(inner):
             raise ValueError(f"{zip_path}: expected a top-level eval_bundle/ directory")
-        os.replace(inner, bundle_dir)
-    os.remove(zip_path)
+        try:
+            os.replace(inner, bundle_dir)
+        except OSError:  # another host unpacked it there first: use that one
+            if not os.path.isdir(bundle_dir):
+                raise
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(zip_path)
     return bundle_dir
 
 

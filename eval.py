@@ -84,7 +84,7 @@ import tracking
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
 loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
-device = ""                     # cuda | cpu | mps; empty = autodetect
+device = ""                     # cuda | cuda:N | cpu | mps; empty = cuda if there is one, else cpu
 batch_size = 8                  # sequences per forward here: speed only, never which tokens are scored
 bpb_tokens = 40 * 2**19         # validation tokens for bpb: the authors' eval.sh count
 protocol_ranks = 4              # the authors' eval.sh ran 4 GPUs at device batch 4: these two fix which
@@ -457,6 +457,8 @@ def estimate(c, ctx, planned):
 def main(argv):
     ckpt, c, run_modes, loops_list, thresholds = report.parse(argv, settings_of(globals()), __file__, MODES)
     rt = runtime.setup(c.device)
+    if c.dtype:  # checked before any time is spent on the checkpoint; "" = the dtype it trained with
+        runtime.dtype_bytes(c.dtype)
     runtime.init_group(rt)
     model, meta = load_model(ckpt, rt.device, log=print0)  # the newest readable checkpoint, saying so
     settings = meta.get("settings", {})
@@ -489,4 +491,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with runtime.user_errors():  # a bad setting: its message and exit status 1, no traceback
+        main(sys.argv[1:])

@@ -6,9 +6,16 @@
     autocast = runtime.precision(model, rt.device_type, dtype)
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
+    runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
+    with runtime.user_errors(): ...   # a script's top level: a bad setting is a message, no traceback
     runtime.sample(model, tokenizer, "The", 64, loops=3)
 """
+import contextlib
+import errno
 import os
+import re
+import shutil
+import socket
 import sys
 from datetime import timedelta
 from types import SimpleNamespace
@@ -19,17 +26,32 @@ import torch.distributed as dist
 
 def setup(device=""):
     """This process's place under torchrun (RANK, LOCAL_RANK, WORLD_SIZE; one process without it)
-    and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU. No process group
-    yet: train.py prepares data first, which may outlast a collective's timeout."""
+    and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU (LOCAL_RANK);
+    "cuda:N" = GPU N, for one process only (under torchrun each rank takes its LOCAL_RANK's: choose
+    the GPUs with CUDA_VISIBLE_DEVICES); "mps"; "cpu" (no index: there is one CPU device). A device
+    this torch cannot use is a ValueError naming the setting. No process group yet: train.py
+    prepares data first, which may outlast a collective's timeout."""
     rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0),
                                                                        ("WORLD_SIZE", 1)))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' (one process), 'mps', or '' "
+                         "(cuda if there is one, else cpu)")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device; "
                              "use --device=cpu")
-        device = f"cuda:{local_rank}"
+        index = int(device[5:]) if ":" in device else local_rank
+        if ":" in device and world > 1:
+            raise ValueError(f"device={device!r} under torchrun: each rank uses the GPU of its LOCAL_RANK; use "
+                             "--device=cuda (CUDA_VISIBLE_DEVICES chooses the GPUs)")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        device = f"cuda:{index}"
         torch.cuda.set_device(device)
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device='mps', but this torch ({torch.__version__}) sees no MPS device; use --device=cpu")
     return SimpleNamespace(device=device, device_type=device.split(":")[0], rank=rank, local_rank=local_rank,
                            world=world, ddp=world > 1, master=rank == 0)
 
@@ -97,7 +119,7 @@ def dtype_bytes(dtype):
     """Bytes per element of a precision setting, "bf16" or "fp32": the one check of dtype."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: expected 'bf16' or 'fp32' (or 'auto' in train.py and bench.py: "
-                         f"bf16 on CUDA, fp32 elsewhere)")
+                         f"bf16 on CUDA, fp32 elsewhere; '' in eval.py: the checkpoint's)")
     return 2 if dtype == "bf16" else 4
 
 
@@ -120,16 +142,68 @@ def precision(model, device_type, dtype):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
+def temp_path(path):
+    """path + a suffix no other process writes to: its host and pid. Processes on several nodes may
+    prepare files in one shared directory at once (flock does not reach across NFS or Lustre
+    clients everywhere), and pids alone repeat across hosts (containers start them at 1)."""
+    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+
+
 def atomic_write(path, content):
     """Write content (str, bytes, or a function that writes the file it is given) to path + a temp
     suffix, then rename it over path: readers see the old file or the new one, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_path(path)
     if callable(content):
         content(tmp)
     else:
         with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
             f.write(content)
     os.replace(tmp, path)
+
+
+class DiskSpaceError(OSError):
+    """Too little free disk space for what is about to be written. An OSError with errno ENOSPC, the
+    one the write itself would raise, so `except OSError` serves both; it carries path, needed and
+    free (bytes) and its message names them."""
+
+    def __init__(self, what, path, needed, free, hint):
+        super().__init__(f"{what}: needs {size_text(needed)} in {path}, but its disk has only "
+                         f"{size_text(free)} free; {hint}")
+        self.errno, self.path, self.needed, self.free = errno.ENOSPC, path, needed, free
+
+
+def size_text(n):
+    """Bytes as people read them, and exactly: "1.24 GB (1,240,000,000 bytes)"."""
+    return (f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB") + f" ({n:,} bytes)"
+
+
+def free_bytes(path):
+    """Bytes this process may still write on the filesystem of path (of its nearest existing parent
+    while path does not exist yet): the one reading of free space, which tests replace."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(path, needed, what, hint):
+    """DiskSpaceError(what, ...) unless the disk of path has `needed` bytes free; returns the free bytes."""
+    free = free_bytes(path)
+    if free < needed:
+        raise DiskSpaceError(what, path, needed, free, hint)
+    return free
+
+
+@contextlib.contextmanager
+def user_errors():
+    """A script's top level: a ValueError or FileNotFoundError (the errors whose message names the
+    setting, file or value and says what is allowed) ends the process with that message on stderr
+    and exit status 1, without a traceback. Any other exception is a bug and keeps its traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def sample(model, tokenizer, prompt, max_new_tokens, **generate_kwargs):

@@ -235,10 +235,9 @@ def save(it):
                       monitor=monitor)
     clock.reset()
     try:
-        return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, world_size=world_size,
-                               barrier=dist.barrier if ddp else lambda: None, keep=keep_checkpoints,
+        return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, keep=keep_checkpoints,
                                keep_every=keep_every, files={"tokenizer.json": tok.save})
-    except OSError as e:  # too little disk (runtime.DiskSpaceError), or a write failed: on every rank alike
+    except (OSError, RuntimeError) as e:  # too little disk (DiskSpaceError), a failed write: every rank raises
         stop(f"step {it}: {e}; the earlier checkpoints are untouched. Last good checkpoint: "
              f"{last_good or 'none yet'}", 1)
 

@@ -1,8 +1,10 @@
 """Tests for corpus.py: the embedded corpus, locks, downloads (a local http.server only, never the
 internet), progress lines, manifests, FineWeb-Edu shards, and the evaluation inputs."""
+import contextlib
 import glob
 import io
 import json
+import multiprocessing
 import os
 import pathlib
 import re
@@ -18,6 +20,8 @@ import pytest
 import requests
 
 import corpus
+import data
+import runtime
 
 
 def no_locks(directory):
@@ -108,7 +112,7 @@ def test_download_normal_and_skip_existing(server, tmp_path, capsys):
     assert corpus.download(f"{server.url}/shard_00000.parquet", path, backoff=0.01) == path
     assert open(path, "rb").read() == server.files["/shard_00000.parquet"]
     corpus.download(f"{server.url}/shard_00000.parquet", path, backoff=0.01)
-    assert len(server.requests) == 1 and not os.path.exists(path + ".part") and no_locks(tmp_path)
+    assert len(server.requests) == 1 and not glob.glob(path + ".part*") and no_locks(tmp_path)
     mb = len(server.files["/shard_00000.parquet"]) / 1e6
     out = capsys.readouterr().out
     assert re.fullmatch(rf"{re.escape(path)}: 1/1 files, {mb:.1f} MB, [\d.,]+ MB/s\n", out)
@@ -140,7 +144,7 @@ def test_unreachable_host_fails_fast_with_hint(tmp_path, monkeypatch):
                                    for kw in calls)
     with pytest.raises(ConnectionError, match="put the shards in data_dir=(.|\n)*embedded"):
         corpus.download_shards(1, str(tmp_path), base_url=f"http://127.0.0.1:{port}", retries=1)
-    assert no_locks(tmp_path) and not glob.glob(str(tmp_path / "*.part"))
+    assert no_locks(tmp_path) and not glob.glob(str(tmp_path / "*.part*"))
 
 
 def test_an_unresolvable_host_fails_at_once(tmp_path, monkeypatch):
@@ -159,7 +163,7 @@ def test_download_resumes_after_dropped_connection(server, tmp_path, mode):
     path = str(tmp_path / "s.parquet")
     corpus.download(f"{server.url}/shard_00001.parquet", path, backoff=0.01)
     assert open(path, "rb").read() == server.files["/shard_00001.parquet"]
-    assert not os.path.exists(path + ".part")
+    assert not glob.glob(path + ".part*")
     assert len(server.requests) == 2 and server.requests[0][1] is None
     have = int(re.fullmatch(r"bytes=(\d+)-", server.requests[1][1]).group(1))
     assert 0 < have <= len(server.files["/shard_00001.parquet"]) // 2  # resumed, not restarted
@@ -172,7 +176,7 @@ def test_download_http_errors(server, tmp_path, mode, gets):
     with pytest.raises(ConnectionError, match=re.escape(url)):
         corpus.download(url, path, retries=3, backoff=0.01)
     assert len(server.requests) == gets
-    assert not os.path.exists(path) and not os.path.exists(path + ".part") and no_locks(tmp_path)
+    assert not os.path.exists(path) and not glob.glob(path + ".part*") and no_locks(tmp_path)
 
 
 def test_concurrent_downloads_fetch_once(server, tmp_path):
@@ -307,3 +311,153 @@ def test_bundle_download_from_local_server(server, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "flat.zip")) + ": expected a top-level eval_bundle/"):
         corpus.fetch_bundle(str(tmp_path / "flat"), f"{server.url}/flat.zip")
     assert not (tmp_path / "flat").exists()
+
+
+# ---------------------------------------------------------------- disk space
+
+
+def size_text(n):  # written out again: the messages must show both forms
+    return (f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB") + f" ({n:,} bytes)"
+
+
+def test_too_little_space_for_the_shards_downloads_nothing(server, embedded, tmp_path, monkeypatch):
+    """The shards' space is checked before the first request: SHARD_GB for a shard never seen, the
+    manifest's size for one downloaded before, less what this host's partial file already holds."""
+    served = dict(zip(["shard_00000.parquet", "shard_00001.parquet", "shard_00249.parquet"], embedded))
+    server.files = {f"/{name}": open(p, "rb").read() for name, p in served.items()}
+    d = str(tmp_path / "data")  # not created yet: the free space is its parent's
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: 1000)
+    with pytest.raises(runtime.DiskSpaceError) as e:
+        corpus.download_shards(2, d, base_url=server.url, backoff=0.01)
+    assert str(e.value) == (f"downloading 3 FineWeb-Edu shards: needs {size_text(300_000_000)} in {d}, but its disk "
+                            f"has only {size_text(1000)} free; nothing was downloaded; free some space, choose another "
+                            "data_dir, or train on fewer shards (num_shards)")
+    assert server.requests == [] and not glob.glob(os.path.join(d, "*.parquet*"))
+    monkeypatch.undo()
+    paths = corpus.download_shards(2, d, base_url=server.url, backoff=0.01)
+    os.remove(paths[1])  # its size is in the manifest now; 1000 bytes of it are downloaded again
+    body = server.files["/shard_00001.parquet"]
+    with open(f"{paths[1]}.part.{socket.gethostname()}", "wb") as f:
+        f.write(body[:1000])
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: len(body) - 1001)
+    server.requests = []
+    with pytest.raises(runtime.DiskSpaceError, match=re.escape(f"needs {size_text(len(body) - 1000)} in {d}, ")):
+        corpus.download_shards(2, d, base_url=server.url, backoff=0.01)
+    assert server.requests == []
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: len(body) - 1000)  # exactly enough
+    corpus.download_shards(2, d, base_url=server.url, backoff=0.01)
+    assert open(paths[1], "rb").read() == body and server.requests == [("/shard_00001.parquet", "bytes=1000-")]
+
+
+def test_a_download_checks_the_size_its_response_announces(server, tmp_path, monkeypatch):
+    url, path = f"{server.url}/shard_00000.parquet", str(tmp_path / "s.parquet")
+    body = server.files["/shard_00000.parquet"]
+    monkeypatch.setattr(runtime, "free_bytes", lambda p: len(body) - 1)
+    with pytest.raises(runtime.DiskSpaceError) as e:
+        corpus.download(url, path, backoff=0.01)
+    assert str(e.value) == (f"downloading {url}: needs {size_text(len(body))} in {tmp_path}, but its disk has only "
+                            f"{size_text(len(body) - 1)} free; nothing more was written; free some space, or choose "
+                            "another data_dir")
+    assert len(server.requests) == 1 and os.listdir(tmp_path) == []  # no retries: waiting frees no space
+    monkeypatch.setattr(runtime, "free_bytes", lambda p: len(body))
+    corpus.download(url, path, backoff=0.01)
+    assert open(path, "rb").read() == body
+
+
+def test_unpacking_the_bundle_checks_its_size(server, tmp_path, monkeypatch):
+    server.files = {"/eval_bundle.zip": zipped(BUNDLE)}
+    unpacked = sum(len(text) for text in BUNDLE.values())  # ASCII: a character is a byte
+    # room for the zip in tmp_path, not for what it unpacks into the directory made inside it
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: 10**9 if path == str(tmp_path) else unpacked - 1)
+    target = tmp_path / "eval_bundle"
+    with pytest.raises(runtime.DiskSpaceError, match=re.escape(f"unpacking {target}.zip: needs {size_text(unpacked)} in ")):
+        corpus.fetch_bundle(str(target), f"{server.url}/eval_bundle.zip")
+    assert not target.exists()
+
+# ---------------------------------------------------------------- several hosts, one shared directory
+
+
+@pytest.fixture
+def no_lock(monkeypatch):
+    """corpus.locked as on a shared filesystem whose flock does not reach across hosts: no exclusion."""
+    monkeypatch.setattr(corpus, "locked", lambda path: contextlib.nullcontext())
+
+
+def on_two_hosts(work):
+    """work() in two processes at once, whose socket.gethostname() says node-a and node-b (one pid
+    each, as on two machines); their exit codes. A failure prints its traceback to stderr."""
+    fork = multiprocessing.get_context("fork")
+
+    def host(name):
+        socket.gethostname = lambda: name
+        work()
+    procs = [fork.Process(target=host, args=(name,)) for name in ("node-a", "node-b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    return [p.exitcode for p in procs]
+
+
+def leftovers(directory):
+    return [f for f in glob.glob(os.path.join(directory, "**", "*"), recursive=True)
+            if re.search(r"\.(part|tmp)\b|\.lock$", f)]
+
+
+def test_two_hosts_download_the_same_shards_at_once(server, embedded, tmp_path, no_lock):
+    """Both hosts fetch every shard (the lock does not stop them), each into its own partial file,
+    resuming after a dropped connection: the shards are the served bytes, the manifest whole."""
+    served = dict(zip(["shard_00000.parquet", "shard_00001.parquet", "shard_00249.parquet"], embedded))
+    server.files = {f"/{name}": open(p, "rb").read() for name, p in served.items()}
+    server.delay, server.drops = 0.3, 2  # both hosts are mid-download together; two responses break off
+    d = str(tmp_path)
+    assert on_two_hosts(lambda: corpus.download_shards(2, d, base_url=server.url, backoff=0.01)) == [0, 0]
+    assert sorted(r[0] for r in server.requests if r[1] is None) == sorted(2 * [f"/{n}" for n in served])
+    assert sum(r[1] is not None for r in server.requests) == 2  # the two broken ones were resumed
+    for name in served:
+        assert open(tmp_path / name, "rb").read() == server.files[f"/{name}"]
+    expected = {name: {"bytes": len(server.files[f"/{name}"]),
+                       "rows": pq.ParquetFile(io.BytesIO(server.files[f"/{name}"])).metadata.num_rows} for name in served}
+    assert json.load(open(tmp_path / "manifest.json")) == expected
+    assert leftovers(d) == []
+
+
+def test_two_hosts_build_the_embedded_corpus_at_once(embedded, tmp_path, monkeypatch, no_lock):
+    """Both hosts find no corpus and build it at the same moment; the one whose rename comes second
+    finds the other's in place and uses it. Both return the shards of a build by one host alone."""
+    docs = [t for p in embedded for t in pq.read_table(p).column("text").to_pylist()]  # real text, no import walk
+    start = multiprocessing.get_context("fork").Barrier(2)
+    monkeypatch.setattr(corpus, "_embedded_documents", lambda: (start.wait(), list(docs))[1])
+    assert on_two_hosts(lambda: corpus.embedded_corpus(str(tmp_path / "shared"))) == [0, 0]
+    monkeypatch.setattr(corpus, "_embedded_documents", lambda: list(docs))
+    alone = corpus.embedded_corpus(str(tmp_path / "alone"))
+    shared = corpus.embedded_corpus(str(tmp_path / "shared"))  # whole, by its manifest: not rebuilt
+    assert [open(p, "rb").read() for p in shared] == [open(p, "rb").read() for p in alone]
+    assert open(tmp_path / "shared" / "embedded" / corpus.MANIFEST).read() == \
+        open(tmp_path / "alone" / "embedded" / corpus.MANIFEST).read()
+    assert sorted(os.listdir(tmp_path / "shared")) == ["embedded"] and leftovers(str(tmp_path)) == []
+
+
+def test_two_hosts_with_the_same_pid_train_the_bpe_at_once(embedded, tmp_path, monkeypatch, no_lock):
+    """Two threads of this process stand for two hosts whose processes have the same pid (containers
+    number them from 1): both train the tokenizer and write it; the file is the one a single
+    training writes, and both tokenizers encode alike."""
+    monkeypatch.setattr(socket, "gethostname", lambda: threading.current_thread().name)
+    rename, together = os.replace, threading.Barrier(2, timeout=60)
+    monkeypatch.setattr(os, "replace", lambda src, dst: (together.wait(), rename(src, dst)))  # both written, then renamed
+    results = {}
+
+    def host():
+        results[threading.current_thread().name] = data.get_tokenizer("bpe", str(tmp_path / "shared"), embedded[:-1], 512)
+    os.makedirs(tmp_path / "shared")
+    threads = [threading.Thread(target=host, name=name) for name in ("node-a", "node-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(os, "replace", rename)
+    alone = data.train_tokenizer(embedded[:-1], 512, str(tmp_path / "alone.json"))
+    assert open(tmp_path / "shared" / "tokenizer_bpe512.json", "rb").read() == open(tmp_path / "alone.json", "rb").read()
+    text = pq.read_table(embedded[-1]).column("text")[0].as_py()
+    assert results["node-a"].encode(text) == results["node-b"].encode(text) == alone.encode(text)
+    assert os.listdir(tmp_path / "shared") == ["tokenizer_bpe512.json"]

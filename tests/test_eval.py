@@ -13,6 +13,8 @@ import json
 import math
 import os
 import random
+import re
+import runpy
 import socket
 import string
 import subprocess
@@ -33,6 +35,7 @@ import corpus
 import data
 import eval as ev
 import checkpoint
+import runtime
 from model import GPT, GPTConfig, Loops
 
 
@@ -928,3 +931,114 @@ def test_progress_lines_on_a_slow_mode(tmp_path, monkeypatch, capsys):
         assert len(lines) >= 2, (label, out)
         done, total = map(int, lines[-1].split(": ")[1].split(" ")[0].replace(",", "").split("/"))
         assert done == total and "/s" in lines[0] and "ETA" in lines[0], lines
+
+
+# ----------------------------------------------------------------------------- device and dtype settings
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_CUDA = f"but this torch ({torch.__version__}) sees no CUDA device; use --device=cpu"
+DEVICES = "expected 'cpu', 'cuda', 'cuda:N' (one process), 'mps', or '' (cuda if there is one, else cpu)"
+DTYPES = ("expected 'bf16' or 'fp32' (or 'auto' in train.py and bench.py: bf16 on CUDA, fp32 elsewhere; '' in "
+          "eval.py: the checkpoint's)")
+BAD_SETTINGS = [  # each script's error for the setting, written out
+    ("--device=cuda", f"ValueError: device='cuda', {NO_CUDA}"),
+    ("--device=cuda:1", f"ValueError: device='cuda:1', {NO_CUDA}"),
+    ("--device=mps", f"ValueError: device='mps', but this torch ({torch.__version__}) sees no MPS device; "
+                     "use --device=cpu"),
+    ("--device=bogus", f"ValueError: device='bogus': {DEVICES}"),
+    ("--device=cpu:0", f"ValueError: device='cpu:0': {DEVICES}"),  # a CPU has no index
+    ("--dtype=fp16", f"ValueError: dtype='fp16': {DTYPES}"),
+]
+BENCH = ["--mode=memory_step", "--compile_mode=eager", "--depth=1", "--sequence_len=32", "--vocab_size=512"]
+
+
+def available(setting):
+    return ("cuda" in setting and torch.cuda.is_available()) or ("mps" in setting and torch.backends.mps.is_available())
+
+
+def as_main(script, args, monkeypatch):
+    """Run script's top level as `python script args` would, in this process: (the exception it
+    ends with, or None)."""
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    try:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    except BaseException as e:
+        return e
+
+
+@pytest.mark.parametrize("setting, error", BAD_SETTINGS)
+def test_a_bad_device_or_dtype_is_the_same_error_in_every_script(tmp_path, monkeypatch, capsys, setting, error):
+    """eval.py and bench.py print the error alone on stderr and exit with status 1 (SystemExit: no
+    traceback); train.py raises the same ValueError as before (its last stderr line is this one),
+    before it touches out_dir or data_dir."""
+    if available(setting):
+        pytest.skip("this machine has the device")
+    _, _, step = save_checkpoint(tmp_path)
+    capsys.readouterr()  # what saving it printed
+    for script, args in (("eval.py", [str(step), "--modes=sample"]), ("bench.py", BENCH)):
+        ended = as_main(script, [*args, setting], monkeypatch)
+        assert isinstance(ended, SystemExit) and ended.code == 1, (script, ended)
+        assert capsys.readouterr() == ("", error + "\n"), script
+    ended = as_main("train.py", [f"--out_dir={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}", setting],
+                    monkeypatch)
+    assert f"{type(ended).__name__}: {ended}" == error
+    assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()
+
+
+def test_the_command_line_says_it_without_a_traceback(tmp_path):
+    """The real commands: eval.py and bench.py with --device=cuda on a machine without CUDA (the issue's
+    case) print one line and exit 1; bf16 runs on the CPU (bench.py here, eval.py below)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    _, _, step = save_checkpoint(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    commands = [["eval.py", str(step), "--device=cuda"], ["bench.py", *BENCH, "--device=cuda"],
+                ["bench.py", *BENCH, "--dtype=bf16"]]
+    procs = [subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd in commands]  # at once: one torch import's wait, not three
+    (out1, err1), (out2, err2), (out3, err3) = (p.communicate(timeout=300) for p in procs)
+    for p, out, err in zip(procs[:2], (out1, out2), (err1, err2)):
+        assert (p.returncode, out, err) == (1, "", f"ValueError: device='cuda', {NO_CUDA}\n")
+    assert procs[2].returncode == 0 and json.loads(out3.splitlines()[-1])["step"] > 0, err3
+
+
+def test_eval_runs_in_bf16_on_cpu_and_refuses_auto(tmp_path):
+    """eval.py's dtype is the checkpoint's ("") or a precision, bf16 on the CPU too; "auto" is train.py's
+    and bench.py's (bf16 on CUDA, fp32 elsewhere), refused here before the checkpoint is read."""
+    _, _, step = save_checkpoint(tmp_path)
+    args = [str(step), "--modes=sample", "--loops=1", "--sample_tokens=2", "--device=cpu", f"--out={tmp_path / 'e.json'}"]
+    ev.main(args + ["--dtype=bf16"])
+    assert json.load(open(tmp_path / "e.json"))["settings"]["dtype"] == "bf16"
+    with pytest.raises(ValueError, match=re.escape(f"dtype='auto': {DTYPES}")):
+        ev.main(args + ["--dtype=auto"])
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cuda:", "cuda:x", "CUDA", "gpu"])
+def test_a_device_is_a_type_and_only_cuda_takes_an_index(device):
+    """The device setting is cpu, cuda, cuda:N, mps or "": a CPU has no index (torch would accept
+    "cpu:1" and ignore it)."""
+    with pytest.raises(ValueError, match=re.escape(f"device={device!r}: {DEVICES}")):
+        runtime.setup(device)
+
+
+@pytest.mark.parametrize("device, world, expected", [
+    ("cuda", 1, "cuda:0"), ("", 1, "cuda:0"), ("cuda:2", 1, "cuda:2"), ("cuda", 4, "cuda:3"),  # LOCAL_RANK 3
+    ("cuda:2", 4, "device='cuda:2' under torchrun: each rank uses the GPU of its LOCAL_RANK; use --device=cuda "
+                  "(CUDA_VISIBLE_DEVICES chooses the GPUs)"),
+    ("cuda:4", 1, "device='cuda:4': this machine has 4 CUDA device(s), cuda:0 .. cuda:3"),
+])
+def test_cuda_devices_with_and_without_an_index(monkeypatch, device, world, expected):
+    """On a stand-in machine with 4 GPUs: "cuda" is the rank's LOCAL_RANK GPU, "cuda:N" is GPU N for
+    one process, and an error under torchrun (where it would be overridden) or past the last GPU."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_RANK", "3" if world > 1 else "0")
+    if expected.startswith("cuda:"):
+        rt = runtime.setup(device)
+        assert (rt.device, rt.device_type, chosen) == (expected, "cuda", [expected])
+    else:
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            runtime.setup(device)
+        assert chosen == []
