@@ -116,10 +116,12 @@ def token_losses(logits, targets):
 
 
 @torch.no_grad()
-def loop_losses(model, idx, targets, loops_list):
+def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
     """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
-    Run it in the model's precision context (runtime.precision), as main() and train.py do."""
-    hs = model.loop_states(idx, max(loops_list)).states
+    Run it in the model's precision context (runtime.precision), as main() and train.py do.
+    exit_threshold: with the KL exit rule (model.ExitRule), h(K) of that forward is the rule's at
+    budget K too, since the rule at loop t reads only loops <= t."""
+    hs = model.loop_states(idx, max(loops_list), exit_threshold=exit_threshold).states
     result = {}
     for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
         logits = model.head(hs[K - 1])
@@ -248,10 +250,11 @@ def longest_input(model):
     return ROPE_SPAN * model.config.sequence_len
 
 
-def score_sequences(model, seqs, loops_list, batch_size, progress=None):
+def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_threshold=None):
     """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
     for [(tokens, s)], sorted by length to limit padding, batch_size sequences per forward; a long
-    prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len."""
+    prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len.
+    exit_threshold: scored with the KL exit rule (loop_losses)."""
     device = next(model.parameters()).device
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
@@ -272,7 +275,7 @@ def score_sequences(model, seqs, loops_list, batch_size, progress=None):
         pos = torch.arange(x.shape[1], device=device)
         # nanochat's slice losses[s-1:e-1]; at s = 0 it starts at -1, the last column, and is empty
         span = (pos >= start - 1) & (pos < end - 1) & (start > 0)
-        for K, (loss, pred) in loop_losses(model, x, y, loops_list).items():
+        for K, (loss, pred) in loop_losses(model, x, y, loops_list, exit_threshold).items():
             mean[K][chunk] = ((loss * span).sum(1) / span.sum(1)).double().cpu()  # an empty span: 0/0 = NaN
             exact[K][chunk] = ((pred == y) | ~span).all(1).cpu()
         if progress:
