@@ -110,22 +110,26 @@ BYTE_COUNTS = ("authors", "utf8")  # val_bpb (compared with the paper), val_bpb_
 
 # ----------------------------------------------------------------------------- the budget sweep
 def token_losses(logits, targets):
-    """Cross-entropy of each target (B, T); 0 for targets of -1."""
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+    """Cross-entropy of each target (any shape; logits have a vocab dimension more); 0 for targets of -1."""
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1, reduction="none")
     return loss.view_as(targets)
 
 
 @torch.no_grad()
 def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
-    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
-    Run it in the model's precision context (runtime.precision), as main() and train.py do.
+    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K. The LM head runs where a
+    target is scored only: targets of -1 get loss 0 and argmax -1 (a CORE prompt's span is a few of
+    its tokens, and each K needs a head of its own). Run it in the model's precision context
+    (runtime.precision), as main() and train.py do.
     exit_threshold: with the KL exit rule (model.ExitRule), h(K) of that forward is the rule's at
     budget K too, since the rule at loop t reads only loops <= t."""
     hs = model.loop_states(idx, max(loops_list), exit_threshold=exit_threshold).states
-    result = {}
-    for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
-        logits = model.head(hs[K - 1])
-        result[K] = (token_losses(logits, targets), logits.argmax(dim=-1))
+    scored, result = targets >= 0, {}
+    for K in loops_list:  # the head, one K at a time: (scored targets, vocab) logits are the big tensor
+        logits = model.head(hs[K - 1][scored])
+        loss, pred = torch.zeros(targets.shape, device=targets.device), torch.full_like(targets, -1)
+        loss[scored], pred[scored] = token_losses(logits, targets[scored]), logits.argmax(dim=-1)
+        result[K] = (loss, pred)
     return result
 
 
@@ -275,6 +279,7 @@ def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_thr
         pos = torch.arange(x.shape[1], device=device)
         # nanochat's slice losses[s-1:e-1]; at s = 0 it starts at -1, the last column, and is empty
         span = (pos >= start - 1) & (pos < end - 1) & (start > 0)
+        y = torch.where(span, y, -1)  # the LM head runs on the span only
         for K, (loss, pred) in loop_losses(model, x, y, loops_list, exit_threshold).items():
             mean[K][chunk] = ((loss * span).sum(1) / span.sum(1)).double().cpu()  # an empty span: 0/0 = NaN
             exact[K][chunk] = ((pred == y) | ~span).all(1).cpu()
