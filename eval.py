@@ -112,20 +112,26 @@ BYTE_COUNTS = ("authors", "utf8")  # val_bpb (compared with the paper), val_bpb_
 
 # ----------------------------------------------------------------------------- the budget sweep
 def token_losses(logits, targets):
-    """Cross-entropy of each target (B, T); 0 for targets of -1."""
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+    """Cross-entropy of each target (any shape; logits have a vocab dimension more); 0 for targets of -1."""
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1, reduction="none")
     return loss.view_as(targets)
 
 
 @torch.no_grad()
-def loop_losses(model, idx, targets, loops_list):
-    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K; targets of -1 get loss 0.
-    Run it in the model's precision context (runtime.precision), as main() and train.py do."""
-    hs = model.loop_states(idx, max(loops_list)).states
-    result = {}
-    for K in loops_list:  # the head, one K at a time: (B, T, vocab) logits are the big tensor
-        logits = model.head(hs[K - 1])
-        result[K] = (token_losses(logits, targets), logits.argmax(dim=-1))
+def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
+    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K. The LM head runs where a
+    target is scored only: targets of -1 get loss 0 and argmax -1 (a CORE prompt's span is a few of
+    its tokens, and each K needs a head of its own). Run it in the model's precision context
+    (runtime.precision), as main() and train.py do.
+    exit_threshold: with the KL exit rule (model.ExitRule), h(K) of that forward is the rule's at
+    budget K too, since the rule at loop t reads only loops <= t."""
+    hs = model.loop_states(idx, max(loops_list), exit_threshold=exit_threshold).states
+    scored, result = targets >= 0, {}
+    for K in loops_list:  # the head, one K at a time: (scored targets, vocab) logits are the big tensor
+        logits = model.head(hs[K - 1][scored])
+        loss, pred = torch.zeros(targets.shape, device=targets.device), torch.full_like(targets, -1)
+        loss[scored], pred[scored] = token_losses(logits, targets[scored]), logits.argmax(dim=-1)
+        result[K] = (loss, pred)
     return result
 
 
@@ -250,10 +256,11 @@ def longest_input(model):
     return ROPE_SPAN * model.config.sequence_len
 
 
-def score_sequences(model, seqs, loops_list, batch_size, progress=None):
+def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_threshold=None):
     """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
     for [(tokens, s)], sorted by length to limit padding, batch_size sequences per forward; a long
-    prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len."""
+    prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len.
+    exit_threshold: scored with the KL exit rule (loop_losses)."""
     device = next(model.parameters()).device
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
@@ -274,7 +281,8 @@ def score_sequences(model, seqs, loops_list, batch_size, progress=None):
         pos = torch.arange(x.shape[1], device=device)
         # nanochat's slice losses[s-1:e-1]; at s = 0 it starts at -1, the last column, and is empty
         span = (pos >= start - 1) & (pos < end - 1) & (start > 0)
-        for K, (loss, pred) in loop_losses(model, x, y, loops_list).items():
+        y = torch.where(span, y, -1)  # the LM head runs on the span only
+        for K, (loss, pred) in loop_losses(model, x, y, loops_list, exit_threshold).items():
             mean[K][chunk] = ((loss * span).sum(1) / span.sum(1)).double().cpu()  # an empty span: 0/0 = NaN
             exact[K][chunk] = ((pred == y) | ~span).all(1).cpu()
         if progress:

@@ -102,9 +102,7 @@ def parse(argv, defaults, source, modes):
     run_modes = [m.strip() for m in c.modes.split(",") if m.strip()]
     if not run_modes or set(run_modes) - set(modes):
         raise ValueError(f"--modes={c.modes!r}: expected a comma-separated subset of {','.join(modes)}")
-    loops_list = [v.strip() for v in c.loops.split(",") if v.strip()]
-    if not loops_list or not all(v.isdigit() and int(v) >= 1 for v in loops_list):
-        raise ValueError(f"--loops={c.loops!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
+    loops_list = loop_budgets(c.loops)
     try:
         thresholds = [float(v) for v in c.exit_thresholds.split(",") if v.strip()]
     except ValueError:
@@ -117,7 +115,16 @@ def parse(argv, defaults, source, modes):
             raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
     if c.wandb:
         tracking.require("--wandb=True")  # installed? found before any model time is spent
-    return argv[0], c, [m for m in modes if m in run_modes], sorted(set(map(int, loops_list))), thresholds
+    return argv[0], c, [m for m in modes if m in run_modes], loops_list, thresholds
+
+
+def loop_budgets(value):
+    """The loop budgets K of a --loops setting such as "1,3,6,9,12": sorted, each once. Anything but
+    comma-separated integers >= 1 is a ValueError naming the setting (eval.py, lm_eval_flt.py)."""
+    budgets = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not budgets or not all(v.isdigit() and int(v) >= 1 for v in budgets):
+        raise ValueError(f"--loops={value!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
+    return sorted(set(map(int, budgets)))
 
 
 def per_K(values, spec):

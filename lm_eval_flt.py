@@ -1,0 +1,295 @@
+"""
+EleutherAI's lm-evaluation-harness (lm-eval 0.4.13) on a looped checkpoint, at several loop budgets K.
+
+    pip install -r requirements-lmeval.txt
+    python -m lm_eval_flt --run out/base_flt_k9 --tasks hellaswag,arc_easy --loops 1,3,6,9,12 --batch_size 32
+    python -m lm_eval_flt --run out/d3_flt_k3 --tasks my_task --include_path my_tasks/ --limit 100
+
+--run is a run's out_dir (its newest readable step_*) or a step directory, read with the
+tokenizer.json saved beside the weights and run in the dtype it trained with, as eval.py does. The
+harness runs once per K, largest first; the command prints one table (a row per task and metric, a
+column per K) and writes every K's harness results to one JSON file (--output_path; default
+<step dir>/lm_eval.json).
+
+One pass for every K (eval.py's budget sweep): each loop's output h(K) is a prediction point, so a
+loglikelihood request scored at max(loops) has its score at every smaller K in the same forward
+(eval.loop_losses). The adapter scores every K at the first (largest-K) run and keeps the scores per
+request; the runs at smaller K find theirs there. loglikelihood_rolling is scored the same way.
+Generation cannot be shared: each K decodes its own tokens, so generate_until runs once per K.
+
+From Python (one LoopedLM across the runs, so that they share its scores):
+    lm, meta = lm_eval_flt.load("out/d3_flt_k3", loops=[1, 3])
+    for K in (3, 1):
+        results = lm_eval.simple_evaluate(model=lm.at(K), tasks=["hellaswag"])
+"""
+import argparse
+import difflib
+import hashlib
+import json
+import os
+import sys
+import time
+from array import array
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+from lm_eval import simple_evaluate
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
+
+import corpus
+import data
+import eval as evaluation
+import report
+import runtime
+from checkpoint import load_model
+
+
+class LoopedLM(TemplateLM):
+    """The harness's language model over one looped GPT at K = self.K loops (at(K) sets it), with the
+    KL exit rule if exit_threshold is given. Every text starts after the document token BOS, as the
+    model saw each document in training. The context is the model's sequence_len: a longer input
+    loses its oldest tokens (the harness's convention for its own models; eval.py's CORE instead
+    feeds prompts whole, as the authors' evaluator did).
+
+    loglikelihood and loglikelihood_rolling are scored at every K of `loops` in one forward at
+    max(loops) (eval.score_sequences) and kept in self.scores, so a later run at a smaller K costs no
+    forward. generate_until decodes at self.K only: a continuation at one K says nothing of another's."""
+
+    def __init__(self, model, tokenizer, loops, numerics=nullcontext(), exit_threshold=None, batch_size=32,
+                 log=print):
+        super().__init__()
+        if not loops or not all(isinstance(K, int) and K >= 1 for K in loops):
+            raise ValueError(f"loops={loops!r}: expected a list of integers >= 1")
+        if exit_threshold is not None and not exit_threshold >= 0:
+            raise ValueError(f"exit_threshold={exit_threshold!r}: expected a KL threshold >= 0 (nats), or None")
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
+        self.model, self.tok, self.numerics, self.log = model.eval(), tokenizer, numerics, log
+        self.loops, self.K = sorted(set(loops)), max(loops)
+        self.exit_threshold, self.batch_size = exit_threshold, batch_size
+        self.max_length = model.config.sequence_len
+        self.scores = {}  # a scored sequence's fingerprint -> {K: (log-likelihood, is_greedy)}, every K of loops
+
+    def at(self, K):
+        """This model at K loops, one of `loops` (the budgets every pass scores); returns self."""
+        if K not in self.loops:
+            raise ValueError(f"K={K}: not one of loops={self.loops}, the budgets each pass scores")
+        self.K = K
+        return self
+
+    def get_model_info(self):
+        """Recorded by simple_evaluate in its results' config."""
+        return {"K": self.K, "loops": self.loops, "exit_threshold": self.exit_threshold,
+                "sequence_len": self.max_length}
+
+    # ------------------------------------------------------------------ scoring
+    @property
+    def eot_token_id(self):
+        return self.tok.bos_id  # the harness's prefix for an empty context and the first rolling window
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        """string's tokens after BOS; without it when add_special_tokens is False (the harness's
+        continuation of an empty context, which it puts after prefix_token_id itself)."""
+        ids = self.tok.encode(string)
+        return ids if add_special_tokens is False else [self.tok.bos_id] + ids
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False):
+        """[(log-likelihood of the continuation, whether greedy decoding gives it)] at self.K for the
+        harness's tokenized requests ((context, continuation), context tokens, continuation tokens)."""
+        return [scores[self.K] for scores in self._scored([(ctx + cont, len(cont)) for _, ctx, cont in requests])]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """The log-likelihood of each whole text at self.K: the harness's rolling windows of
+        sequence_len predictions (the first after BOS), disjoint, each window's log-likelihoods summed."""
+        windows = [[(ctx + pred, len(pred)) for ctx, pred in map(make_disjoint_window, get_rolling_token_windows(
+            self.tok_encode(text, add_special_tokens=False), self.tok.bos_id, self.max_length, context_len=1))]
+            for (text,) in (r.args for r in requests)]
+        scores = iter(self._scored([w for doc in windows for w in doc]))
+        return [sum(next(scores)[self.K][0] for _ in doc) for doc in windows]
+
+    def _scored(self, sequences):
+        """{K: (log-likelihood, is_greedy)} of each (tokens, n): the last n tokens given the ones before,
+        from self.scores, scoring at every K of loops in one forward those not there yet. Inputs longer
+        than sequence_len + 1 tokens keep their last sequence_len + 1 (the last one is never an input
+        to a prediction that is scored)."""
+        keys, todo = [], {}
+        for tokens, n in sequences:
+            tokens = tokens[-(self.max_length + 1):]
+            if n >= len(tokens):
+                raise ValueError(f"a continuation of {n} tokens: at most {self.max_length} (sequence_len) are "
+                                 "scored, each after at least one token of context")
+            # kept by a 16-byte fingerprint: a benchmark's scores stay in memory, not its tokens
+            keys.append(hashlib.blake2b(array("q", [n, *tokens]).tobytes(), digest_size=16).digest())
+            if keys[-1] not in self.scores:
+                todo[keys[-1]] = (tokens, len(tokens) - n)
+        if todo:
+            known = len(keys) - len(todo)
+            self.log(f"K={self.K}: scoring {len(todo):,} sequences at every K in {self.loops}, in forwards at "
+                     f"K={self.loops[-1]}" + (f" ({known:,} already scored)" if known else ""))
+            progress = corpus.Progress(f"scoring at K={self.loops[-1]}", len(todo), "sequences", log=self.log)
+            with self.numerics:
+                scored = evaluation.score_sequences(self.model, list(todo.values()), self.loops, self.batch_size,
+                                                    progress, self.exit_threshold)
+            for i, (key, (tokens, s)) in enumerate(todo.items()):  # mean span loss -> summed log-likelihood
+                self.scores[key] = {K: (-mean[i].item() * (len(tokens) - s), bool(exact[i]))
+                                    for K, (mean, exact) in scored.items()}
+        else:
+            self.log(f"K={self.K}: {len(keys):,} sequences, every one scored by an earlier pass")
+        return [self.scores[key] for key in keys]
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests, disable_tqdm=False):
+        """Greedy continuations at self.K by model.generate's KV cache, each context cut on the left so
+        that it and max_gen_toks fit in sequence_len, stopped at the first `until` string, a document
+        token (BOS: a new document would begin) or max_gen_toks tokens, and cut before the stop string.
+        Contexts of the same length share a batch (no padding, which would change what they attend to),
+        longest first. Not shared across K: each K decodes its own tokens."""
+        bos_text = self.tok.decode([self.tok.bos_id])
+        jobs = []
+        for context, gen_kwargs in (r.args for r in requests):
+            kwargs = normalize_gen_kwargs(gen_kwargs)
+            until, max_new = handle_stop_sequences(kwargs.pop("until", None), bos_text), kwargs.pop("max_gen_toks")
+            if kwargs.pop("do_sample") or kwargs.pop("temperature", 0.0) != 0 or kwargs:
+                raise ValueError(f"generation_kwargs {gen_kwargs}: this model decodes greedily only, taking until "
+                                 "and max_gen_toks (do_sample false, temperature 0)")
+            if not 1 <= max_new < self.max_length:
+                raise ValueError(f"max_gen_toks={max_new}: expected 1 to {self.max_length - 1}, leaving room for "
+                                 f"a context in sequence_len={self.max_length} (--gen_kwargs max_gen_toks=N sets it)")
+            jobs.append((self.tok_encode(context)[max_new - self.max_length:], max_new, [u for u in until if u]))
+        by_length = defaultdict(list)
+        for i, (ids, _, _) in enumerate(jobs):
+            by_length[len(ids)].append(i)
+        texts = [None] * len(jobs)
+        progress = corpus.Progress(f"generate_until at K={self.K}", len(jobs), "requests", log=self.log)
+        for _, group in sorted(by_length.items(), reverse=True):
+            for batch in (group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size)):
+                for i, text in zip(batch, self._greedy([jobs[i] for i in batch])):
+                    texts[i] = text
+                progress(len(batch))
+        return texts
+
+    def _greedy(self, jobs):
+        """Each job's (context ids, max new tokens, stop strings) continued greedily, in one batch of
+        equal-length contexts; decoding ends once every row has stopped."""
+        new, stopped = [[] for _ in jobs], [False] * len(jobs)
+        context = torch.tensor([ids for ids, _, _ in jobs], device=next(self.model.parameters()).device)
+        with self.numerics:
+            for tokens in self.model.generate(context, max(n for _, n, _ in jobs), temperature=0, loops=self.K,
+                                              exit_threshold=self.exit_threshold):
+                for row, (token, (_, n, until)) in enumerate(zip(tokens[:, 0].tolist(), jobs)):
+                    if not stopped[row]:
+                        new[row].append(token)
+                        stopped[row] = len(new[row]) == n or any(u in self.tok.decode(new[row]) for u in until)
+                if all(stopped):
+                    break
+        return [postprocess_generated_text(self.tok.decode(ids), until, None)
+                for ids, (_, _, until) in zip(new, jobs)]
+
+
+def load(run, loops, device="", dtype="", exit_threshold=None, batch_size=32, log=print):
+    """(LoopedLM, the checkpoint's meta) for the newest readable checkpoint at `run` (a run's out_dir or a
+    step directory) and the tokenizer saved with it, on `device` ("" = cuda if there is one), in `dtype`
+    ("" = the run's), as eval.py loads it."""
+    rt = runtime.setup(device)
+    if rt.world > 1:
+        raise ValueError(f"WORLD_SIZE={rt.world}: lm_eval_flt runs in one process; run it without torchrun")
+    model, meta = load_model(run, rt.device, log=log)
+    settings = meta.get("settings", {})
+    lm = LoopedLM(model, data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),
+                                             bos=settings.get("bos_token", data.BOS)),
+                  loops, runtime.precision(model, rt.device_type, dtype or settings.get("dtype", "fp32")),
+                  exit_threshold, batch_size, log)
+    return lm, meta
+
+
+# ----------------------------------------------------------------------------- the command
+def task_names(tasks, task_manager):
+    """The comma-separated --tasks as a list, each a task, group or tag the harness knows."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--tasks={tasks!r}: expected comma-separated task names, e.g. hellaswag,arc_easy")
+    for name in names:
+        if name not in task_manager.all_tasks:
+            close = difflib.get_close_matches(name, task_manager.all_tasks, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(f"--tasks: unknown task {name!r}{hint}; `lm-eval ls tasks` lists them, --include_path "
+                             "adds a directory of task YAMLs")
+    return names
+
+
+def table(results):
+    """A Markdown table of {K: simple_evaluate's results}: a row per task and metric, a column per K."""
+    rows = {}
+    for K, r in sorted(results.items()):
+        for task, metrics in r["results"].items():
+            for key, value in metrics.items():
+                metric, _, kind = key.partition(",")
+                if kind and "_stderr" not in metric and isinstance(value, (int, float)):
+                    name = metric if kind == "none" else f"{metric} ({kind})"
+                    rows.setdefault((task, name), {})[K] = value
+    head = ["task", "metric", *(f"K={K}" for K in sorted(results))]
+    lines = [head, ["---"] * len(head)] + [[task, name, *(f"{v.get(K, float('nan')):.4f}" for K in sorted(results))]
+                                          for (task, name), v in rows.items()]
+    return "".join("| " + " | ".join(line) + " |\n" for line in lines)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--run", required=True, help="a run's out_dir (its newest step_*) or a step directory")
+    p.add_argument("--tasks", required=True, help="comma-separated harness tasks, e.g. hellaswag,arc_easy")
+    p.add_argument("--loops", default="1,3,6,9,12", help="loop budgets K, all scored in one pass at the largest")
+    p.add_argument("--batch_size", type=int, default=32, help="sequences per forward: speed only")
+    p.add_argument("--device", default="", help="cuda | cpu | mps; empty = cuda if there is one")
+    p.add_argument("--dtype", default="", help="bf16 | fp32; empty = the dtype the run trained with")
+    p.add_argument("--exit_threshold", type=float, default=None, help="KL exit rule threshold (nats); none = off")
+    p.add_argument("--limit", type=float, default=None, help="items per task (< 1: a fraction); for quick checks")
+    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples; default: each task's own")
+    p.add_argument("--include_path", default=None, help="a directory of task YAMLs beside the harness's own")
+    p.add_argument("--gen_kwargs", default=None, help="generation settings over the tasks', e.g. max_gen_toks=64")
+    p.add_argument("--output_path", default="", help="the JSON file; empty = <step dir>/lm_eval.json")
+    args = p.parse_args(argv)
+    args.loops = report.loop_budgets(args.loops)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size={args.batch_size}: expected a positive integer")
+    if args.include_path and not os.path.isdir(args.include_path):
+        raise FileNotFoundError(f"--include_path={args.include_path!r}: no such directory")
+    if not os.path.exists(args.run):
+        raise FileNotFoundError(f"--run={args.run!r}: no such directory")
+    return args
+
+
+def main(argv):
+    args = parse(argv)
+    task_manager = TaskManager(include_path=args.include_path)
+    tasks = task_names(args.tasks, task_manager)
+    lm, meta = load(args.run, args.loops, args.device, args.dtype, args.exit_threshold, args.batch_size)
+    path = args.output_path or os.path.join(meta["path"], "lm_eval.json")
+    config = lm.model.config
+    print(f"{meta['path']} (step {meta.get('step')}): {config.variant}, trained at K={config.loops}; tasks {tasks} "
+          f"at K in {args.loops}: the harness once per K, largest first, every K's loglikelihoods in the first",
+          flush=True)
+    results, seconds = {}, {}
+    for K in reversed(args.loops):
+        t0 = time.perf_counter()
+        results[K] = simple_evaluate(model=lm.at(K), tasks=tasks, task_manager=task_manager, limit=args.limit,
+                                     num_fewshot=args.num_fewshot, gen_kwargs=args.gen_kwargs,
+                                     batch_size=args.batch_size, log_samples=False)
+        seconds[K] = time.perf_counter() - t0
+        print(f"K={K}: done in {report.minutes(seconds[K])}", flush=True)
+    record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(args), "seconds": seconds,
+              "table": table(results), "results": {str(K): results[K] for K in sorted(results)}}
+    runtime.atomic_write(path, json.dumps(record, indent=1, default=handle_non_serializable))
+    print("\n" + record["table"] + f"written to {path}")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lm_eval_flt: {e}", file=sys.stderr)
+        raise SystemExit(1)
