@@ -181,3 +181,27 @@ def test_world_size_2_then_1_then_2(tmp_path, data_dir):
     p0, p1 = (torch.load(out / f"params_rank{r}.pt") for r in (0, 1))
     assert all(torch.equal(p0[k], p1[k]) for k in p0)  # the resharded ranks still agree
     assert all(map(lambda v: v == v, by_step.values()))
+
+
+# The disk of out_dir is full once the first checkpoint is in (runtime.free_bytes: the one reading of it).
+FULL_AFTER_FIRST = textwrap.dedent("""
+    import glob, os, runtime
+    free = runtime.free_bytes
+    def full(path):
+        return 1000 if glob.glob(os.path.join(os.environ["OUT"], "step_*")) and os.environ["OUT"] in os.path.abspath(path) else free(path)
+    runtime.free_bytes = full
+""")
+
+
+def test_a_full_disk_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
+    out = tmp_path / "full"
+    monkeypatch.setenv("OUT", str(out))
+    p = train(out, data_dir, "--num_steps=6", "--save_interval=2", "--sample_tokens=0",
+              script=runner(tmp_path, FULL_AFTER_FIRST), check=False)
+    first = out / checkpoint.step_name(2)
+    assert p.returncode == 1 and "step 4: checkpoint step 4: needs" in p.stderr, p.stderr[-2000:]
+    assert f"in {out}, but its disk has only 0.0 MB (1,000 bytes) free" in p.stderr
+    assert p.stderr.rstrip().endswith(f"Last good checkpoint: {first}")
+    assert sorted(os.listdir(out)) == ["log.jsonl", "run.lock", "settings.json", "step_000002"]
+    assert checkpoint.load_newest(str(out), rank_files=True)[0] == str(first)  # whole, and resumable
+    assert max(r["step"] for r in losses(out)[1]) == 3  # stopped before training step 4
