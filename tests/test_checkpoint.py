@@ -278,5 +278,7 @@ def test_one_rank_without_space_stops_every_rank_and_keeps_the_older_checkpoint(
         assert record["intact"] == [True, True]
         assert record["saved"] == "step_000002"
         assert record["files"] == ["step_000002/model.pt", "step_000002/rank0.pt", "step_000002/rank1.pt"]
+    step_dir = str(out / "step_000002")
     for r in range(2):
-        assert checkpoint.load_rank_state(str(out / "step_000002"), r)["shard"].eq(r).all()
+        [state] = checkpoint.load_rank_states(step_dir, checkpoint.read_model_file(step_dir), r, 2)
+        assert state["shard"].eq(r).all()
