@@ -237,7 +237,7 @@ def save(it):
     try:
         return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, keep=keep_checkpoints,
                                keep_every=keep_every, files={"tokenizer.json": tok.save})
-    except (OSError, RuntimeError) as e:  # too little disk (DiskSpaceError), a failed write: every rank raises
+    except runtime.DiskSpaceError as e:  # too little disk, or it filled while written: every rank, one message
         stop(f"step {it}: {e}; the earlier checkpoints are untouched. Last good checkpoint: "
              f"{last_good or 'none yet'}", 1)
 
