@@ -113,7 +113,7 @@ def parse(argv, defaults, source, modes):
     for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
         if getattr(c, key) < 1:
             raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
-    if c.wandb:
+    if getattr(c, "wandb", False):
         tracking.require("--wandb=True")  # installed? found before any model time is spent
     return argv[0], c, [m for m in modes if m in run_modes], loops_list, thresholds
 

@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 
-from runtime import atomic_write
 
 ID_FILE = "wandb.json"  # {"project", "id"}: the W&B run this out_dir logs to
 
@@ -29,6 +28,7 @@ def require(setting):
 
 def _init(out_dir, setting, project=None, **kwargs):
     """wandb.init for out_dir's run: the one wandb.json names (continued), else a new one (named)."""
+    from runtime import atomic_write  # here: report.py imports this module and must not import torch
     wandb, path = require(setting), os.path.join(out_dir, ID_FILE)
     saved = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else None
     if saved is None and project is None:
