@@ -35,7 +35,6 @@ import torch
 
 from model import GPT, GPTConfig
 import runtime
-from runtime import DiskSpaceError  # noqa: F401  (save raises it: callers catch checkpoint.DiskSpaceError)
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
 # authors' code does. Format-1 weights were trained with the opposite rotation.

@@ -9,8 +9,9 @@ manifest.json beside complete shards records their sizes and rows, checked whene
 Several nodes may prepare one directory on a shared filesystem at once, and flock does not exclude
 processes of different hosts on every NFS or Lustre mount: the lock only spares work. What makes
 it safe is that every file is written under a name of its own host (and process) and renamed into
-place whole; whichever host renames last puts the same bytes there (downloads and builds are
-deterministic). Before bytes are written, the free space is checked (runtime.check_free_space).
+place whole: a file renamed by two hosts gets the same bytes twice (a download is the server's
+file, a build is deterministic); a directory renamed second finds the first one in place and uses
+it. Before bytes are written, the free space is checked (runtime.check_free_space).
 
     python corpus.py --download 249   # the authors' 249 training shards + their validation shard
     python corpus.py --embedded       # build the embedded corpus (no network)

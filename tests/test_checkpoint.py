@@ -137,7 +137,7 @@ def test_a_full_disk_refuses_the_checkpoint_and_leaves_the_older_ones(tmp_path, 
     needed = with_margin(dir_bytes(tmp_path / "step_000002"))
     seen = []
     monkeypatch.setattr(runtime, "free_bytes", lambda path: seen.append(path) or needed - 1)
-    with pytest.raises(checkpoint.DiskSpaceError) as e:
+    with pytest.raises(runtime.DiskSpaceError) as e:
         save(tmp_path, 3, keep=1)
     assert isinstance(e.value, OSError) and e.value.errno == errno.ENOSPC
     assert str(e.value) == (f"checkpoint step 3: needs {size_text(needed)} in {tmp_path}, but its disk has only "
@@ -160,7 +160,7 @@ def test_the_first_checkpoint_estimates_its_tensors(tmp_path, monkeypatch):
     flat = [t for x in tensors for t in (x.values() if isinstance(x, dict) else [x])]
     needed = with_margin(sum(t.numel() * t.element_size() for t in flat))
     monkeypatch.setattr(runtime, "free_bytes", lambda path: 0)
-    with pytest.raises(checkpoint.DiskSpaceError, match=re.escape(f"needs {size_text(needed)} in {tmp_path}, but "
+    with pytest.raises(runtime.DiskSpaceError, match=re.escape(f"needs {size_text(needed)} in {tmp_path}, but "
                                                                   f"its disk has only {size_text(0)} free")):
         checkpoint.save(str(tmp_path), 1, model, rank_state, settings={})
     assert os.listdir(tmp_path) == []
@@ -195,7 +195,7 @@ def test_a_disk_that_fills_while_writing_leaves_the_older_checkpoints(tmp_path, 
     free = [10**12]  # plenty for the check before writing; 12345 once the disk is full
     monkeypatch.setattr(runtime, "free_bytes", lambda path: free[0])
     monkeypatch.setattr(torch, "save", half_then_enospc(torch.save, fail_on, free))
-    with pytest.raises(checkpoint.DiskSpaceError) as e:
+    with pytest.raises(runtime.DiskSpaceError) as e:
         save(tmp_path, 3, keep=1)
     needed = with_margin(dir_bytes(tmp_path / "step_000002"))
     assert str(e.value).startswith(f"checkpoint step 3, which filled the disk while being written: needs "
