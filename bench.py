@@ -6,6 +6,7 @@ Speed and memory checks, measured side by side in one run.
     python bench.py --mode=memory --depth=6 --batch_size=2 --sequence_len=1024 --loops=12
         # peak memory of a training step, checkpoint_loops off/on, regional vs whole-model compile
     python bench.py --mode=loader     # data.DataLoader tokens/s on the embedded corpus
+    python bench.py --mode=lmeval     # lm_eval_flt: loglikelihoods at K=1,3,6,9,12 in one sweep vs five passes
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
@@ -256,8 +257,46 @@ def loader():
     print(f"loader: {tok_s:,.0f} tokens/s (B={batch_size}, T={sequence_len}, {os.cpu_count()} CPUs)")
 
 
+def lmeval():
+    """lm_eval_flt's budget sweep, side by side: the harness's loglikelihood requests (a context from the
+    embedded validation shard, four continuations each, as hellaswag asks) at K = 1,3,6,9,12 through one
+    adapter, whose first call (K=12) scores every K and whose others find their scores, against a fresh
+    adapter per K (five passes), and against one pass at K=12 alone. Needs requirements-lmeval.txt."""
+    from lm_eval.api.instance import Instance
+    import lm_eval_flt
+    files = corpus.embedded_corpus(data_dir)
+    tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
+    n = 2 * sequence_len  # characters of context: about half of sequence_len in tokens
+    docs = [text for text in corpus.load_rows(files[-1]) if len(text) >= n + n // 4][:4 * batch_size + 3]
+    requests = [Instance("loglikelihood", {}, (doc[:n], " " + docs[i + j][n:n + n // 4]), 4 * i + j)
+                for i, doc in enumerate(docs[:-3]) for j in range(4)]
+    model, autocast = make("FLT")
+    budgets = [1, 3, 6, 9, 12]
+
+    def adapter(loops):
+        return lm_eval_flt.LoopedLM(model, tok, loops, autocast, batch_size=batch_size, log=lambda *args: None)
+
+    def sweep():
+        lm = adapter(budgets)
+        for K in reversed(budgets):
+            lm.at(K).loglikelihood(requests, disable_tqdm=True)
+
+    def separate():
+        for K in budgets:
+            adapter([K]).loglikelihood(requests, disable_tqdm=True)
+
+    def largest():
+        adapter(budgets[-1:]).loglikelihood(requests, disable_tqdm=True)
+
+    print(f"device {device}, depth {depth}, T={sequence_len}, B={batch_size}, {len(requests)} requests, "
+          f"median of {repeats}")
+    ratio(f"lm-eval loops {budgets}: one sweep / five passes", sweep, separate, "<= 0.45")
+    ratio(f"lm-eval loops {budgets}: one sweep / one pass at K={budgets[-1]}", sweep, largest, "<= 1.25")
+
+
 if __name__ == "__main__":
-    modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader}
+    modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
+             "lmeval": lmeval}
     with user_errors():
         if mode not in modes:
             raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")

@@ -50,5 +50,19 @@ def test_memory_step_prints_one_json_record():
 def test_unknown_mode_names_the_modes():
     p = subprocess.run([sys.executable, "bench.py", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 1 and "mode='nope': expected one of ['loader', 'memory', 'memory_step', 'ratios', " \
-                                  "'train']" in p.stderr
+    assert p.returncode == 1 and "mode='nope': expected one of ['lmeval', 'loader', 'memory', 'memory_step', " \
+                                  "'ratios', 'train']" in p.stderr
+
+
+def test_lmeval_prints_the_quotient_of_a_sweep_and_five_passes(embedded):
+    pytest.importorskip("lm_eval")
+    data_dir = os.path.dirname(os.path.dirname(embedded[0]))  # the session's embedded corpus
+    *_, head, row1, row2 = bench("--mode=lmeval", "--repeats=1", f"--data_dir={data_dir}")  # after the tokenizer's
+    assert head == "device cpu, depth 1, T=32, B=2, 32 requests, median of 1"
+    rows = [RATIO.fullmatch(row) for row in (row1, row2)]
+    assert all(rows) and [(m.group(1), m.group(5)) for m in rows] == [
+        ("lm-eval loops [1, 3, 6, 9, 12]: one sweep / five passes", "<= 0.45"),
+        ("lm-eval loops [1, 3, 6, 9, 12]: one sweep / one pass at K=12", "<= 1.25")]
+    for m in rows:
+        a, b, r = (float(m.group(i)) for i in (2, 3, 4))
+        assert r == pytest.approx(a / b, abs=0.005 + 0.05 * (a + b) / b**2), m.group(0)
