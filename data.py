@@ -143,7 +143,8 @@ class DataLoader:
     state_dict() is the position of the next unread token ({"epoch", "file" (its name), "row_group",
     "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's "epoch_tokens"
     read and "epoch_batches" begun: a loader built with state=loader.state_dict() after batch n yields
-    batch n+1. state=[every rank's state] of another world size: see _continue. While a row group is used, the next one is tokenized in a background thread.
+    batch n+1; state=[every rank's state] of another world size: see _continue. While a row group is
+    used, the next one is tokenized in a background thread.
     """
 
     def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None,
