@@ -6,7 +6,7 @@ A config file (positional) overrides the defaults, each --key=value overrides bo
 import ast
 import types
 
-from usage import describe
+from flt.usage import describe
 
 SETTING_TYPES = (bool, int, float, str, type(None))
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

@@ -17,8 +17,8 @@ from itertools import islice
 import tokenizers
 import torch
 
-import corpus
-from runtime import atomic_write
+from flt import corpus
+from flt.runtime import atomic_write
 
 HUB_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"
 BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document

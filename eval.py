@@ -12,7 +12,7 @@ scores, the forward passes, then a time estimate from the first forwards), then 
 with progress lines. A mode that cannot run (no network for a download) is reported and the
 others still run; eval.json keeps what was computed, and the exit status is non-zero.
 
-Budget sweep (SPEC 3): every loop's output h(t) is a valid prediction point, so ONE forward at
+Budget sweep (the paper's Fig. 6): every loop's output h(t) is a valid prediction point, so ONE forward at
 max(loops) yields each requested K's logits as head(h(K)); every metric goes through `loop_losses`.
 
 Protocols: each follows the authors' scripts (FuRuF-11/FullyLoopedTransformer), so a number here
@@ -69,17 +69,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-import corpus
-from corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
+from flt import corpus
+from flt.corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 import data
 from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
 from configurator import settings_of
-from checkpoint import load_model
+from flt.checkpoint import load_model
 from model import ROPE_SPAN
-import report
-import runtime
-from runtime import print0
-import tracking
+from flt import report
+from flt import runtime
+from flt.runtime import print0
+from flt import tracking
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit

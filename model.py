@@ -90,7 +90,7 @@ def config_for_depth(depth, **overrides):
 
 
 def norm(x):
-    # Parameter-free RMSNorm (SPEC 2): the paper's only normalisation. Written out rather than
+    # Parameter-free RMSNorm: the paper's only normalisation (its backbone is nanochat's). Written out rather than
     # F.rms_norm, which is ~10x slower on CPU in torch 2.13 (torch.compile fuses either on GPU).
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
 
@@ -193,7 +193,7 @@ class Block(nn.Module):
 
 
 # ------------------------------------------------------------------------------------
-# The five variants as data (SPEC 3): loop 1 is plain for all of them; for loops t >= 2,
+# The five variants as data (the paper's Sec. 4): loop 1 is plain for all of them; for loops t >= 2,
 # where the stream restarts and which layers see h(t-1).
 
 def restart(variant, e, x0, h_prev):
@@ -214,7 +214,7 @@ def injection(variant, layer):
 class Loops(NamedTuple):
     """One pass of the loop, as GPT.loop_states (and forward(..., return_loops=True)) return it."""
     states: list                  # [h(1), ..., h(K)], h(t) = norm(stream after loop t): each a prediction point
-    resid_norms: torch.Tensor     # (K,) SPEC 5: mean L2 norm of the stream after loop t (before norm), detached
+    resid_norms: torch.Tensor     # (K,) mean L2 norm of the stream after loop t (before norm), detached
     exit_loops: torch.Tensor | None = None  # (B, T) loops each position ran (ExitRule); None without it
 
 
@@ -236,7 +236,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """SPEC 2 initialisation:
+        """The paper's initialisation (nanochat's):
         | parameter                         | init                                   |
         |-----------------------------------|----------------------------------------|
         | transformer.wte                   | N(0, 1)                                |
@@ -278,7 +278,7 @@ class GPT(nn.Module):
             with self._truncated_backprop(t, K, bptt_loops):                          # no_grad before the window
                 x = x0 if t == 0 else restart(self.config.variant, e, x0, h_prev)     # where loop t starts
                 x = self._checkpointed_loop(x, h_prev, t, rope, kv_cache, exits.done)  # the L blocks, injected
-            norms.append(x.detach().float().norm(dim=-1).mean())                     # SPEC 5: residual norm
+            norms.append(x.detach().float().norm(dim=-1).mean())                     # residual norm (Sec. 3, Fig. 2)
             hs.append(norm(x))                                                       # h(t)
             if exits.update(hs):                                                     # no position loops on
                 break
@@ -408,7 +408,7 @@ class GPT(nn.Module):
 
 
 # ------------------------------------------------------------------------------------
-# Decoding (SPEC 4) and depth per token: a KV cache per (loop, layer), and the exit rule.
+# Decoding and depth per token: a KV cache per (loop, layer), and the exit rule.
 
 class KVCache:
     """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from

@@ -1,5 +1,5 @@
 """
-Optimizers for the Fully Looped Transformer (SPEC section 6): Muon for every 2-D matrix
+Optimizers for the Fully Looped Transformer (the paper's training recipe, docs/recipe.md): Muon for every 2-D matrix
 inside the blocks; AdamW for the token embedding and the LM head, a lookup table and a
 classifier rather than maps between hidden states, so orthogonalising their updates
 makes no sense. `build_optimizers(model)` splits the parameters by name into
@@ -293,7 +293,7 @@ def reduce_gradients(optimizers):
 def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
                      unembedding_lr=0.004, ns_dtype=None):
     """
-    Split the model's parameters by name into [AdamW, Muon] (SPEC section 6):
+    Split the model's parameters by name into [AdamW, Muon] (the paper's training recipe, docs/recipe.md):
       transformer.wte.weight  -> AdamW, lr embedding_lr * sqrt(768 / d_model)
       lm_head.weight          -> AdamW, lr unembedding_lr * sqrt(768 / d_model)
       transformer.h.*         -> Muon,  lr matrix_lr (all 2-D, no biases or norm gains)
@@ -340,7 +340,7 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
     return optimizers
 
 
-# ---------------------------------------------------------------------------- the schedules (SPEC 6)
+# ---------------------------------------------------------------------------- the schedules
 # train.py applies them every step; they follow the authors' scripts/base_train.py.
 def lr_multiplier(step, num_steps, warmdown_frac):
     """No warm-up; 1 until num_steps - round(warmdown_frac * num_steps), then linear to 0 at

@@ -4,7 +4,7 @@ Train a looped transformer. One flat script, from a CPU smoke test to 8 GPUs:
     torchrun --nproc_per_node=8 train.py config/flt_base.py     # the paper's base FLT
 Every module-level variable below is a setting: a config file (positional) overrides
 them, --key=value overrides both (configurator.py). The defaults are the CPU smoke test;
-config/paper.py holds the paper's recipe (SPEC 6).
+config/paper.py holds the paper's recipe (docs/recipe.md).
 """
 import math
 import os
@@ -14,18 +14,18 @@ import time
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import cluster
-import corpus
+from flt import checkpoint
+from flt import cluster
+from flt import corpus
 import data
-import diagnostics
+from flt import diagnostics
 from configurator import configure
 import eval as evaluation
 from model import GPT, GPTConfig
-import planning
-import runtime
-from runtime import print0
-import tracking
+from flt import planning
+from flt import runtime
+from flt.runtime import print0
+from flt import tracking
 from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients, sample_loops
 
 # ----------------------------------------------------------------------------- settings
@@ -55,7 +55,7 @@ num_shards = corpus.AUTHORS_TRAIN_SHARDS  # fineweb training shards (the authors
 tokenizer = "bpe"           # bpe = train a byte-level BPE on the corpus; or a tokenizer.json / hub name
 bpe_vocab_size = 4096
 bos_token = "<|endoftext|>"  # the document token before every document (the paper's Qwen3 runs: <|im_start|>)
-# model (SPEC 2-3): d_model = 64 * depth, n_head = ceil(d_model / 128), depth blocks
+# model (the paper's backbone, Sec. 4's variants): d_model = 64 * depth, n_head = ceil(d_model / 128), depth blocks
 depth = 3
 n_kv_head = -1              # -1 = n_head (MHA); fewer = GQA (must divide n_head)
 sequence_len = 256
@@ -71,7 +71,7 @@ loops_sampler = "fixed"     # K per optimizer step: fixed (= loops) | uniform (o
 loops_min = 1               # uniform: the smallest K
 loops_max = -1              # uniform: the largest K; lognormal_poisson: a cap (-1 = none)
 bptt_loops = -1             # truncated backprop: gradients through the last N loops only (-1 = all)
-# optimisation (SPEC 6)
+# optimisation (the paper's recipe, docs/recipe.md)
 total_batch_size = 8 * 256  # tokens per optimizer step (the paper: 2**19)
 device_batch_size = 8       # sequences per forward on one device
 num_steps = 250             # -1 = the horizon: 20 tokens per parameter (see horizon_params)
@@ -201,7 +201,7 @@ if resharded:
     print0(f"{len(rank_states)} ranks saved {ckpt_path}, {world_size} resume it: the optimizer state is resharded "
            f"exactly; the data continues after the furthest row group any rank had begun, skipping "
            f"{loader.skipped_documents:,} documents no rank had reached")
-watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8 (SPEC 5)
+watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 

@@ -1,4 +1,4 @@
-# The paper's training recipe (SPEC 6), shared by every GPU run: small.py and base.py add the size,
+# The paper's training recipe (docs/recipe.md), shared by every GPU run: small.py and base.py add the size,
 # and the command line adds the rest, e.g.
 #   torchrun --nproc_per_node=8 train.py config/base.py --variant=LT_i --loops=6   # -> out/base_lt_i_k6
 dataset = "fineweb"            # FineWeb-Edu: the authors' shards 0-248 for training, 249 for validation

@@ -2,13 +2,15 @@
 127.0.0.1 (never the internet) with Range support and scripted failures."""
 import os
 import re
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import corpus
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tutorial files, flt/, scripts/
+from flt import corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ RATIO = re.compile(r"(.+?) +([\d.]+) ms / +([\d.]+) ms = +([\d.]+)  \(target (.+
 
 
 def bench(*args):
-    p = subprocess.run([sys.executable, "bench.py", *TINY, *args], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "scripts.bench", *TINY, *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
@@ -48,7 +48,7 @@ def test_memory_step_prints_one_json_record():
 
 
 def test_unknown_mode_names_the_modes():
-    p = subprocess.run([sys.executable, "bench.py", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 1 and "mode='nope': expected one of ['lmeval', 'loader', 'memory', 'memory_step', " \
                                   "'ratios', 'train']" in p.stderr

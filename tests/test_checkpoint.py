@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkpoint
-import runtime
+from flt import checkpoint
+from flt import runtime
 from model import GPT, GPTConfig
 
 

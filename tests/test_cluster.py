@@ -11,8 +11,8 @@ import time
 
 import torch
 
-import checkpoint
-import cluster
+from flt import checkpoint
+from flt import cluster
 from test_train import ROOT, TINY, losses, runner, train
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import data
-import planning
+from flt import planning
 from configurator import configure, settings_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +108,7 @@ def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
         runs = set()
         for argv in commands:
             nproc = next((int(a.split("=")[1]) for a in argv if a.startswith("--nproc_per_node=")), 1)
+            argv = [f"{a.replace('.', '/')}.py" if argv[i - 1] == "-m" else a for i, a in enumerate(argv)]
             script = next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))
             name, args = " ".join(argv[script:script + 1]), argv[script + 1:]
             if name == "train.py" and "--help" in args:  # lists the settings: test_help_lists_every_setting...
@@ -118,7 +119,7 @@ def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
                 # the batch splits over this command's processes, or the GPUs of a paper run (one node of 8)
                 planning.grad_accum(s, nproc if s["dataset"] == "embedded" or nproc > 1 else 8)
                 runs.add(s["out_dir"])
-            elif name in ("eval.py", "plot.py"):  # it reads the runs trained above (globs aside)
+            elif name in ("eval.py", "scripts/plot.py"):  # it reads the runs trained above (globs aside)
                 paths = {a for a in args if a.startswith("out/") and not set(a) & set("*[")}
                 assert paths <= runs, (place, paths, runs)
         for claim in re.findall(r"# -> (\S+)", text):
@@ -129,7 +130,7 @@ def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
 # Each config's first comment states the model it trains; checked here by arithmetic: d_model = 64 x
 # depth, ceil(d / 128) heads, parameters 2 V d (untied embedding and LM head, V the vocabulary padded
 # to a multiple of 64) + 12 L d^2 (attention 4 d^2 and MLP 8 d^2 per block), and the horizon of
-# SPEC 6: 20 tokens per parameter in steps of total_batch_size tokens.
+# the paper's recipe: 20 tokens per parameter in steps of total_batch_size tokens.
 SIZE = re.compile(r"depth (\d+) \(d_model (\d+)(?:, (\d+) heads)?\)(?:, (\d+)M parameters)?")
 
 
@@ -167,9 +168,10 @@ def test_the_recipes_horizons_by_hand(monkeypatch):
     assert planning.grad_accum(s, 1) == 1 and s["eval_tokens"] // (s["device_batch_size"] * s["sequence_len"]) == 8
 
 
-@pytest.mark.parametrize("script", ["train.py", "eval.py", "bench.py"])
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "scripts/bench.py"])
 def test_help_lists_every_setting_with_its_default_and_comment(script):
-    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = ["-m", script[:-3].replace("/", ".")] if "/" in script else [script]
+    p = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     namespace = train_defaults() if script == "train.py" else None

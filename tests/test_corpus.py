@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-import corpus
+from flt import corpus
 import data
-import runtime
+from flt import runtime
 
 
 def no_locks(directory):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import diagnostics
+from flt import diagnostics
 from test_model import make_model, random_tokens
 
 

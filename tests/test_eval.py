@@ -31,11 +31,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import tokenizers
 
-import corpus
+from flt import corpus
 import data
 import eval as ev
-import checkpoint
-import runtime
+from flt import checkpoint
+from flt import runtime
 from model import GPT, GPTConfig, Loops
 
 
@@ -975,7 +975,7 @@ def test_a_bad_device_or_dtype_is_the_same_error_in_every_script(tmp_path, monke
         pytest.skip("this machine has the device")
     _, _, step = save_checkpoint(tmp_path)
     capsys.readouterr()  # what saving it printed
-    for script, args in (("eval.py", [str(step), "--modes=sample"]), ("bench.py", BENCH)):
+    for script, args in (("eval.py", [str(step), "--modes=sample"]), ("scripts/bench.py", BENCH)):
         ended = as_main(script, [*args, setting], monkeypatch)
         assert isinstance(ended, SystemExit) and ended.code == 1, (script, ended)
         assert capsys.readouterr() == ("", error + "\n"), script
@@ -992,8 +992,8 @@ def test_the_command_line_says_it_without_a_traceback(tmp_path):
         pytest.skip("this machine has CUDA")
     _, _, step = save_checkpoint(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    commands = [["eval.py", str(step), "--device=cuda"], ["bench.py", *BENCH, "--device=cuda"],
-                ["bench.py", *BENCH, "--dtype=bf16"]]
+    commands = [["eval.py", str(step), "--device=cuda"], ["-m", "scripts.bench", *BENCH, "--device=cuda"],
+                ["-m", "scripts.bench", *BENCH, "--dtype=bf16"]]
     procs = [subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for cmd in commands]  # at once: one torch import's wait, not three
     (out1, err1), (out2, err2), (out3, err3) = (p.communicate(timeout=300) for p in procs)

@@ -30,9 +30,9 @@ import torch.nn.functional as F  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-import checkpoint  # noqa: E402
+from flt import checkpoint  # noqa: E402
 import eval as evaluation  # noqa: E402
-import lm_eval_flt  # noqa: E402
+from scripts import lm_eval_flt  # noqa: E402
 from test_eval import one_thread, randomize_  # noqa: E402, F401 (one_thread: test_eval's autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +230,7 @@ def test_command_prints_one_table_and_writes_one_json(run, tmp_path):
     out = tmp_path / "results.json"
     args = ["--run", run, "--tasks", "flt_mc,flt_gen,flt_ppl", "--loops", "3,1", "--batch_size", "4", "--device", "cpu",
             "--include_path", TASKS, "--limit", "4", "--gen_kwargs", "max_gen_toks=2", "--output_path", str(out)]
-    p = subprocess.run([sys.executable, "-m", "lm_eval_flt", *args], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "scripts.lm_eval_flt", *args], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     record = json.loads(out.read_text())
@@ -266,7 +266,7 @@ def test_a_bad_argument_is_named(args, error, message):
 
 
 def test_the_command_fails_with_the_message():
-    p = subprocess.run([sys.executable, "-m", "lm_eval_flt", "--run", "no/such/run", "--tasks", "flt_mc"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "scripts.lm_eval_flt", "--run", "no/such/run", "--tasks", "flt_mc"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 1 and p.stderr == "lm_eval_flt: --run='no/such/run': no such directory\n", p.stderr
 
@@ -305,14 +305,15 @@ def test_bad_model_arguments_are_named(run):
 
 def test_the_default_code_path_never_imports_lm_eval():
     """lm-eval is optional: no module but lm_eval_flt imports it (or lm_eval_flt) at module level."""
-    for path in glob.glob(os.path.join(ROOT, "*.py")):
+    for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "[fs]*", "*.py")):
         if os.path.basename(path) == "lm_eval_flt.py":
             continue
         tree = ast.parse(open(path).read())
         names = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
         names += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
+        names += [a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names]
         assert not [n for n in names if n.split(".")[0] in ("lm_eval", "lm_eval_flt")], path
-    p = subprocess.run([sys.executable, "-c", "import sys, eval, checkpoint, data, model; print(sorted("
+    p = subprocess.run([sys.executable, "-c", "import sys, eval, data, model; from flt import checkpoint; print(sorted("
                         "m for m in sys.modules if m.split('.')[0] in ('lm_eval', 'datasets')))"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "[]", p.stdout + p.stderr

@@ -1,7 +1,7 @@
 """Tests for model.py: the looped backbone, its five loop variants and its KV cache.
 
 The central check is `reference_forward`: an independent plain-torch (float64) rewrite
-of SPEC sections 2-3 -- its own RMSNorm, RoPE, explicit-softmax attention with a mask,
+of the paper's backbone and variants (Sec. 4) -- its own RMSNorm, RoPE, explicit-softmax attention with a mask,
 and the per-variant restart / injection logic -- run on the model's own weights. Most
 other tests compare the model against itself (cache vs. full forward, checkpointing vs.
 not, one pass vs. separate passes).
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth
-from runtime import precision
+from flt.runtime import precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below
@@ -78,7 +78,7 @@ def padded(v):
 
 
 # ----------------------------------------------------------------------------------
-# Independent reference (float64), written from SPEC sections 2-3
+# Independent reference (float64), written from the paper (backbone and Sec. 4's variants)
 
 
 def ref_norm(x):
@@ -86,7 +86,7 @@ def ref_norm(x):
 
 
 def ref_rope(x, pos0=0):
-    """x: (B, T, H, hd); half-split rotation, base 10000, SPEC 2's direction:
+    """x: (B, T, H, hd); half-split rotation, base 10000, nanochat's direction:
     y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos. Angles from the formula for any T, so inputs
     longer than sequence_len get their own table, not the model's buffer."""
     T, hd = x.shape[1], x.shape[3]
@@ -208,7 +208,7 @@ def test_param_count(attention):
             keys.add(tuple(sorted(model.state_dict().keys())))
     assert counts == {expected_params(make_config("FLT", attention))}
     assert len(keys) == 1, "state_dict keys differ between variants"
-    if attention == "full":  # the SPEC formula N = 2*V*d + 12*L*d^2 (MHA, padded V = 128)
+    if attention == "full":  # the formula N = 2*V*d + 12*L*d^2 (MHA, padded V = 128)
         assert counts == {2 * 128 * 64 + 12 * 3 * 64**2}
 
 
@@ -594,7 +594,7 @@ def test_precision_helper_gives_training_and_eval_the_same_function():
         fp32 = model(idx)
     assert model.transformer.wte.weight.dtype == torch.float32
     ctx = precision(model, "cpu", "bf16")
-    assert model.transformer.wte.weight.dtype == torch.bfloat16  # SPEC 6: embedding stored in bf16
+    assert model.transformer.wte.weight.dtype == torch.bfloat16  # the recipe: embedding stored in bf16
     with ctx:  # training usage: train mode, autograd on, forward()
         train_logits = model.train()(idx)
     with torch.no_grad(), ctx:  # eval.py's usage: eval mode, loop_states + head
@@ -683,7 +683,7 @@ def test_invalid_forward_arguments_raise():
 
 
 # ----------------------------------------------------------------------------------
-# 9. Initialisation (SPEC section 2)
+# 9. Initialisation (the paper's backbone)
 
 
 @pytest.mark.parametrize("attention", ["full", "mla"])

@@ -20,7 +20,7 @@ CLIP = 0.5  # below the tiny model's gradient norm, so clipping is active in the
 
 
 def reference_newton_schulz(G, steps=5):
-    """The SPEC formula X <- aX + b(XX^T)X + c(XX^T)^2 X, literally, in float64."""
+    """The paper's formula X <- aX + b(XX^T)X + c(XX^T)^2 X, literally, in float64."""
     a, b, c = NS_COEFFS
     X = G.double()
     tall = X.shape[0] > X.shape[1]
@@ -208,7 +208,7 @@ def test_build_optimizers_groups_every_parameter_once():
     embedding, head = adamw.param_groups
     assert embedding["params"] == [model.transformer.wte.weight]
     assert head["params"] == [model.lm_head.weight]
-    # SPEC 6 / the authors' base_train.py: AdamW lr 0.2 (embedding) and 0.004 (head) x sqrt(768 / d),
+    # the paper's recipe / the authors' base_train.py: AdamW lr 0.2 (embedding) and 0.004 (head) x sqrt(768 / d),
     # betas (0.8, 0.95), eps 1e-10, no decay. Seen in what a step does: from zero state, Adam's first
     # update is lr * g / (|g| + eps'), so a gradient of ones moves every weight by lr (to 1e-9 relative).
     before = [p.detach().clone() for p in (model.transformer.wte.weight, model.lm_head.weight)]
@@ -555,7 +555,7 @@ def assert_same_state(a, b, **tol):
 def test_optimizer_state_reshards_exactly_between_world_sizes(distributed_results):
     """2 ranks -> 1 and 1 -> 2: the whole state after resharding equals the whole state before it, and
     equals the state a single process reaches on the same steps (an independent computation)."""
-    import checkpoint
+    from flt import checkpoint
     idx, targets = make_batch()
     single = build_optimizers(model := make_model())
     for step in range(3):

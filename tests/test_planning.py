@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import planning
-import runtime
+from flt import planning
+from flt import runtime
 from model import GPT, GPTConfig, config_for_depth
 from optim import build_optimizers, reduce_gradients
-from planning import PEAK_FLOPS, estimate_memory, peak_flops
-from runtime import precision, resolve_dtype
+from flt.planning import PEAK_FLOPS, estimate_memory, peak_flops
+from flt.runtime import precision, resolve_dtype
 from test_configs import train_defaults
 
 

@@ -1,13 +1,13 @@
 """plot.py: every subcommand on small synthetic runs (train.py-style log.jsonl and settings.json,
 eval.py-style eval.json), checked against what was drawn or printed. The readers, the EMA and the
-table need no matplotlib; the figures are drawn only where it is installed (requirements-plot.txt)."""
+table need no matplotlib; the figures are drawn only where it is installed (requirements/plot.txt)."""
 import json
 import math
 
 import pytest
 
-import plot
-import report
+from scripts import plot
+from flt import report
 
 
 def write_log(path, losses, resumed_from=None, extra=None):
@@ -224,9 +224,9 @@ def test_table(tmp_path, capsys):
     assert list(rows) == [("ours", "9"), ("paper", "9")]  # the paper's row below the run it reports
 
 
-# The paper's Table 1 as SPEC 9 prints it: model | K | Wiki2 ppl | val bpb | CORE | Avg of 6 (base size,
+# The paper's Table 1 as printed: model | K | Wiki2 ppl | val bpb | CORE | Avg of 6 (base size,
 # depth 12), then the small size (depth 6) at K=9, which reports ppl and bpb only.
-SPEC_9 = """
+TABLE1 = """
 | LT  | 3 | 43.12 | 0.905 | 16.13 | 40.52 |
 | LT  | 6 | 51.38 | 0.947 | 11.43 | 36.56 |
 | LT  | 9 | collapsed | | | |
@@ -235,18 +235,18 @@ SPEC_9 = """
 | FLT | 6 | 39.51 | 0.892 | 15.60 | 41.38 |
 | FLT | 9 | 38.44 | 0.892 | 16.16 | 41.72 |
 """
-SPEC_9_SMALL = {"LT": ("78.79", "1.115"), "FLT": ("63.29", "1.040")}
+TABLE1_SMALL = {"LT": ("78.79", "1.115"), "FLT": ("63.29", "1.040")}
 
 
 def test_table_paper_rows_are_spec_9(tmp_path):
     """--paper puts the paper's numbers under every run of a configuration Table 1 reports, in its
-    columns (the six tasks are not in SPEC 9: "-"), and every cell "-" where training collapsed."""
+    columns (the six tasks are not in the paper's Table 1: "-"), and every cell "-" where training collapsed."""
     expected = {}
-    for line in SPEC_9.strip().splitlines():
+    for line in TABLE1.strip().splitlines():
         variant, K, *numbers = [c.strip() for c in line.strip("|").split("|")]
         ppl, bpb, core, avg = numbers if numbers[0] != "collapsed" else ["-"] * 4
         expected[(12, variant, K)] = [ppl, bpb, core, *["-"] * 6, avg]
-    for variant, (ppl, bpb) in SPEC_9_SMALL.items():
+    for variant, (ppl, bpb) in TABLE1_SMALL.items():
         expected[(6, variant, "9")] = [ppl, bpb, *["-"] * 8]
     runs = []
     for depth, variant, K in expected:

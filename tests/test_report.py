@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import report
+from flt import report
 
 # eval.json's task labels of Table 1's six columns, in the paper's column order (eval.py's docstring)
 LABELS = ["lambada_openai", "piqa", "hellaswag", "openbook_qa", "arc_easy", "arc_challenge"]

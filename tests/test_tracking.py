@@ -11,9 +11,9 @@ import textwrap
 import pytest
 
 from test_train import ROOT, losses, runner, train
-import tracking
+from flt import tracking
 
-wandb = pytest.importorskip("wandb")  # optional for users; .ci/run installs requirements-wandb.txt
+wandb = pytest.importorskip("wandb")  # optional for users; .ci/run installs requirements/wandb.txt
 
 
 def wandb_records(path):
@@ -103,7 +103,7 @@ def test_without_wandb_the_setting_is_a_clear_error_and_the_default_never_import
     p = train(tmp_path / "o", data_dir, "--wandb_project=flt", script=runner(tmp_path, NO_WANDB), check=False)
     assert p.returncode == 1 and p.stderr.rstrip().endswith(
         "ValueError: wandb_project='flt' needs the wandb package, which is not installed: "
-        "pip install -r requirements-wandb.txt"), p.stderr[-2000:]
+        "pip install -r requirements/wandb.txt"), p.stderr[-2000:]
     assert not (tmp_path / "o").exists()  # found before the run directory, data or model
     mark = tmp_path / "imported"
     watch = textwrap.dedent(f"""

@@ -381,7 +381,7 @@ def test_fresh_run_refuses_an_out_dir_holding_another_run(tmp_path, data_dir):
 
 
 def test_two_runs_on_one_out_dir_are_refused(tmp_path, data_dir):
-    import checkpoint
+    from flt import checkpoint
     out = tmp_path / "busy"
     os.makedirs(out)
     held = checkpoint.lock_out_dir(str(out))

@@ -237,7 +237,7 @@ def test_evaluate_exit_spans_k2_to_kmax():
 
 def test_plot_exit_draws_both_curves_per_run(tmp_path):
     pytest.importorskip("matplotlib")
-    import plot
+    from scripts import plot
     run = tmp_path / "run"
     os.makedirs(run / "step_000010")
     (run / "settings.json").write_text(json.dumps({"variant": "FLT", "loops": 4, "loops_sampler": "uniform"}))

@@ -133,7 +133,7 @@ def resolve_dtype(dtype, device_type):
 def precision(model, device_type, dtype):
     """Set the model's numerics and return the autocast context to run it in: the one place
     training and evaluation take them from, so both compute the same function. "bf16" stores the
-    token embedding in bf16 (SPEC 6) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
+    token embedding in bf16 (as the authors' base_train.py) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
     norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
     is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
     in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""

@@ -20,7 +20,7 @@ import time
 from types import SimpleNamespace
 
 from configurator import configure
-import tracking
+from flt import tracking
 
 
 # ----------------------------------------------------------------------------- Table 1
@@ -30,8 +30,8 @@ TASKS = {"LMB": "lambada_openai", "PIQA": "piqa", "Hella": "hellaswag", "OPQA": 
 # Table 1's columns: (header, metric, scale, decimals); CORE and accuracies in percent, as in the paper.
 COLUMNS = [("Wiki2 ppl", "wiki_ppl", 1, 2), ("val bpb", "val_bpb", 1, 3), ("CORE", "CORE", 100, 2),
            *((header, label, 100, 2) for header, label in TASKS.items()), ("Avg", "avg", 100, 2)]
-# The paper's Table 1 (SPEC 9) by (depth, variant, trained K), in eval.json's units (CORE and Avg as
-# fractions); the per-task columns are not in SPEC 9. None: training collapsed.
+# The paper's Table 1 by (depth, variant, trained K), in eval.json's units (CORE and Avg as
+# fractions); the paper does not print the per-task columns. None: training collapsed.
 PAPER = {(12, "LT", 3): dict(wiki_ppl=43.12, val_bpb=0.905, CORE=0.1613, avg=0.4052),
          (12, "LT", 6): dict(wiki_ppl=51.38, val_bpb=0.947, CORE=0.1143, avg=0.3656),
          (12, "LT", 9): None,

@@ -4,7 +4,7 @@
     tracker.log(record)                                   # every log.jsonl record, as it is written
     tracking.log_results(out_dir, results, step)          # eval.py --wandb: its table, to the same run
 
-Off by default: nothing here imports wandb unless asked (pip install -r requirements-wandb.txt).
+Off by default: nothing here imports wandb unless asked (pip install -r requirements/wandb.txt).
 The run's id is kept in out_dir/wandb.json, so a resumed run (and eval.py) continues the same
 W&B run. WANDB_MODE=offline keeps everything on disk (`wandb sync` uploads it later).
 """
@@ -22,13 +22,13 @@ def require(setting):
         import wandb
     except ImportError:
         raise ValueError(f"{setting} needs the wandb package, which is not installed: "
-                         f"pip install -r requirements-wandb.txt") from None
+                         f"pip install -r requirements/wandb.txt") from None
     return wandb
 
 
 def _init(out_dir, setting, project=None, **kwargs):
     """wandb.init for out_dir's run: the one wandb.json names (continued), else a new one (named)."""
-    from runtime import atomic_write  # here: report.py imports this module and must not import torch
+    from flt.runtime import atomic_write  # here: report.py imports this module and must not import torch
     wandb, path = require(setting), os.path.join(out_dir, ID_FILE)
     saved = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else None
     if saved is None and project is None:

@@ -1,9 +1,9 @@
 """
 EleutherAI's lm-evaluation-harness (lm-eval 0.4.13) on a looped checkpoint, at several loop budgets K.
 
-    pip install -r requirements-lmeval.txt
-    python -m lm_eval_flt --run out/base_flt_k9 --tasks hellaswag,arc_easy --loops 1,3,6,9,12 --batch_size 32
-    python -m lm_eval_flt --run out/d3_flt_k3 --tasks my_task --include_path my_tasks/ --limit 100
+    pip install -r requirements/lmeval.txt
+    python -m scripts.lm_eval_flt --run out/base_flt_k9 --tasks hellaswag,arc_easy --loops 1,3,6,9,12 --batch_size 32
+    python -m scripts.lm_eval_flt --run out/d3_flt_k3 --tasks my_task --include_path my_tasks/ --limit 100
 
 --run is a run's out_dir (its newest readable step_*) or a step directory, read with the
 tokenizer.json saved beside the weights and run in the dtype it trained with, as eval.py does. The
@@ -40,12 +40,12 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 
-import corpus
+from flt import corpus
 import data
 import eval as evaluation
-import report
-import runtime
-from checkpoint import load_model
+from flt import report
+from flt import runtime
+from flt.checkpoint import load_model
 
 
 class LoopedLM(TemplateLM):
@@ -238,7 +238,7 @@ def table(results):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
+    p = argparse.ArgumentParser(prog="python -m scripts.lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--run", required=True, help="a run's out_dir (its newest step_*) or a step directory")
     p.add_argument("--tasks", required=True, help="comma-separated harness tasks, e.g. hellaswag,arc_easy")
     p.add_argument("--loops", default="1,3,6,9,12", help="loop budgets K, all scored in one pass at the largest")

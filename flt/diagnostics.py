@@ -13,11 +13,11 @@ import os
 import torch
 
 from optim import clip_coefficient
-from runtime import atomic_write
+from flt.runtime import atomic_write
 
 
 def watched_modules(model, watch_layer=-1):
-    """The modules whose gradient norms train.py logs (SPEC 5; the paper's Figures 3 and 8): the
+    """The modules whose gradient norms train.py logs (the paper's Sec. 3, Figures 3 and 8): the
     first block's MLP, the LM head, and block watch_layer's MLP and attention (-1: the paper's "5th
     layer", index 4, or the last block of a shallower model)."""
     blocks = model.transformer.h

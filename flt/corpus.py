@@ -46,8 +46,8 @@ import requests
 from urllib3.exceptions import NameResolutionError
 import yaml
 
-import runtime
-from runtime import atomic_write
+from flt import runtime
+from flt.runtime import atomic_write
 
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 SHARD_NAME = "shard_{:05d}.parquet"

@@ -1,14 +1,14 @@
 """
 Redraw the paper's figures and tables from this repo's outputs, one subcommand each (figures need
-matplotlib: pip install -r requirements-plot.txt):
-    python plot.py diag out/diag/small_lt_k{6,9,12} out/diag/small_flt_k12 -o fig2.png  # Figs. 2-4
-    python plot.py loss out/fig5/* -o fig5.png                          # Figs. 5, 10: training loss
-    python plot.py sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
-    python plot.py exit out/loops/d2_flt_k4* -o exit.png              # bpb against loops per token
-    python plot.py resid out/diag/small_*_k12 --loops 6 9 12 -o fig7.png      # Fig. 7
-    python plot.py grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
-    python plot.py core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training
-    python plot.py table out/*_k[369] --paper -o table1.md                    # Tables 1, 2
+matplotlib: pip install -r requirements/plot.txt):
+    python -m scripts.plot diag out/diag/small_lt_k{6,9,12} out/diag/small_flt_k12 -o fig2.png  # Figs. 2-4
+    python -m scripts.plot loss out/fig5/* -o fig5.png                          # Figs. 5, 10: training loss
+    python -m scripts.plot sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
+    python -m scripts.plot exit out/loops/d2_flt_k4* -o exit.png              # bpb against loops per token
+    python -m scripts.plot resid out/diag/small_*_k12 --loops 6 9 12 -o fig7.png      # Fig. 7
+    python -m scripts.plot grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
+    python -m scripts.plot core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training
+    python -m scripts.plot table out/*_k[369] --paper -o table1.md                    # Tables 1, 2
 Inputs are runs: train.py's out_dir, or a file or step_* directory inside it. The curves (diag, loss,
 resid, grads, core) read the run's log.jsonl; sweep, exit and table read eval.py's eval.json (given, in the
 step directory given, or in the run's newest step_* that has one). A run is labelled
@@ -21,7 +21,7 @@ import math
 import os
 import sys
 
-import report
+from flt import report
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -135,7 +135,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        sys.exit("plot.py needs matplotlib: pip install -r requirements-plot.txt")
+        sys.exit("plot.py needs matplotlib: pip install -r requirements/plot.txt")
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
     return plt

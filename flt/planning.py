@@ -10,13 +10,13 @@ from collections import Counter
 
 import torch
 
-import checkpoint
-import corpus
+from flt import checkpoint
+from flt import corpus
 import data
-import tracking
+from flt import tracking
 from model import GPT, config_for_depth
 from optim import LOOP_SAMPLERS
-from runtime import dtype_bytes, resolve_dtype
+from flt.runtime import dtype_bytes, resolve_dtype
 
 # ---------------------------------------------------------------------------- memory and accelerators
 
@@ -182,7 +182,7 @@ def model_config(s, vocab_size):
 
 
 def size_and_horizon(s, config):
-    """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): SPEC 6's
+    """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): the paper's
     horizon, tokens = 20 x parameters, counting all of them as the authors' code does or, with
     horizon_params, only those outside the token embedding as the appendix says (README)."""
     with torch.device("meta"):  # counts and estimates without spending memory

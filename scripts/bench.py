@@ -1,12 +1,12 @@
 """
 Speed and memory checks, measured side by side in one run.
-    python bench.py                               # CPU fp32 ratios: depth 4, T=256, B=8
-    python bench.py --mode=train --device=cuda --depth=12 --loops=9 --batch_size=8
+    python -m scripts.bench                               # CPU fp32 ratios: depth 4, T=256, B=8
+    python -m scripts.bench --mode=train --device=cuda --depth=12 --loops=9 --batch_size=8
         # a training step: graph breaks, compile time, tokens/s, MFU, peak memory
-    python bench.py --mode=memory --depth=6 --batch_size=2 --sequence_len=1024 --loops=12
+    python -m scripts.bench --mode=memory --depth=6 --batch_size=2 --sequence_len=1024 --loops=12
         # peak memory of a training step, checkpoint_loops off/on, regional vs whole-model compile
-    python bench.py --mode=loader     # data.DataLoader tokens/s on the embedded corpus
-    python bench.py --mode=lmeval     # lm_eval_flt: loglikelihoods at K=1,3,6,9,12 in one sweep vs five passes
+    python -m scripts.bench --mode=loader     # data.DataLoader tokens/s on the embedded corpus
+    python -m scripts.bench --mode=lmeval     # lm_eval_flt: loglikelihoods at K=1,3,6,9,12 in one sweep vs five passes
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
@@ -22,12 +22,12 @@ from contextlib import nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import corpus
+from flt import corpus
 import data
 from configurator import configure
 from model import GPT, config_for_depth
-from planning import peak_flops
-from runtime import precision, resolve_dtype, setup, user_errors
+from flt.planning import peak_flops
+from flt.runtime import precision, resolve_dtype, setup, user_errors
 from optim import build_optimizers
 
 mode = "ratios"             # ratios | train | memory | loader (memory_step: one memory run)
@@ -234,7 +234,7 @@ def memory():
         for ckpt in (False, True):
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TORCHINDUCTOR_CACHE_DIR=cache)
-                out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode=memory_step",
+                out = subprocess.run([sys.executable, "-m", "scripts.bench", *sys.argv[1:], "--mode=memory_step",
                                       f"--compile_mode={name}", f"--checkpoint_loops={ckpt}"],
                                      env=env, capture_output=True, text=True, check=True).stdout
             runs.append(json.loads(out.splitlines()[-1]))
@@ -261,9 +261,9 @@ def lmeval():
     """lm_eval_flt's budget sweep, side by side: the harness's loglikelihood requests (a context from the
     embedded validation shard, four continuations each, as hellaswag asks) at K = 1,3,6,9,12 through one
     adapter, whose first call (K=12) scores every K and whose others find their scores, against a fresh
-    adapter per K (five passes), and against one pass at K=12 alone. Needs requirements-lmeval.txt."""
+    adapter per K (five passes), and against one pass at K=12 alone. Needs requirements/lmeval.txt."""
     from lm_eval.api.instance import Instance
-    import lm_eval_flt
+    from scripts import lm_eval_flt
     files = corpus.embedded_corpus(data_dir)
     tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
     n = 2 * sequence_len  # characters of context: about half of sequence_len in tokens

@@ -34,7 +34,7 @@ from dataclasses import asdict
 import torch
 
 from model import GPT, GPTConfig
-import runtime
+from flt import runtime
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
 # authors' code does. Format-1 weights were trained with the opposite rotation.

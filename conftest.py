@@ -1,1 +1,0 @@
-# Lets a bare `pytest` import the project modules from the repository root.

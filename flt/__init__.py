@@ -1,0 +1,4 @@
+"""Support code for the tutorial files at the repository root: settings checks and run planning
+(planning), where a process runs (runtime), downloads and corpora (corpus), checkpoints
+(checkpoint), cluster life (cluster), what training watches (diagnostics), reports (report),
+experiment tracking (tracking) and --help (usage). A reader of the paper never needs to open it."""
