@@ -1,4 +1,4 @@
-# The diagnostic experiment at CPU scale on the embedded corpus (README: "A CPU-scale rerun"):
+# The diagnostic experiment at CPU scale on the embedded corpus (docs/recipe.md, "A CPU-scale rerun"):
 # depth 2 (d_model 128), K = 12 by default, 400 steps of 1024 tokens, about 4 minutes a run.
 #   python train.py config/cpu_diag.py --variant=LT        # -> out/cpu_diag/d2_lt_k12
 device = "cpu"

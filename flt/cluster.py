@@ -7,7 +7,7 @@
 train.py folds preemption.requested and clock.due() into the all-reduce every step already runs,
 so every rank takes the same decision at the same step even if only one rank got the signal (or
 the clocks of two nodes disagree): save that step's checkpoint, and, if preempted, exit with
-PREEMPTED. A job script tests that status and requeues (README: "Running on a cluster").
+PREEMPTED. A job script tests that status and requeues (docs/operations.md, "Running on a cluster").
 """
 import os
 import secrets

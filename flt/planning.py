@@ -184,7 +184,7 @@ def model_config(s, vocab_size):
 def size_and_horizon(s, config):
     """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): the paper's
     horizon, tokens = 20 x parameters, counting all of them as the authors' code does or, with
-    horizon_params, only those outside the token embedding as the appendix says (README)."""
+    horizon_params, only those outside the token embedding as the appendix says (docs/recipe.md)."""
     with torch.device("meta"):  # counts and estimates without spending memory
         model = GPT(config)
     n_params = model.num_params()

@@ -75,18 +75,20 @@ def expand(text, cwd):
 
 def documented(cwd):
     """{place: (its text, its commands)} of every place that shows a train.py command: a comment line
-    of config/*.py, a code block of the README, or a line of the README with commands in inline code
-    (a row of the table of experiments: train, evaluate, plot)."""
+    of config/*.py, or, in the README and every page of docs/, a code block, an indented block, or a
+    line with commands in inline code (a row of the table of experiments: train, evaluate, plot)."""
     places = {}
     for name in CONFIGS:
         with open(os.path.join(ROOT, "config", name)) as f:
             places |= {f"config/{name}:{i}": [line.lstrip("# ")] for i, line in enumerate(f, 1) if line.startswith("#")}
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S) + re.findall(r"\n\n((?:    \S.*\n)+)", readme)
-    places |= {f"README.md block {i}": [block] for i, block in enumerate(blocks)}
-    places |= {f"README.md:{i}": re.findall(r"`([^`]+)`", line) for i, line in enumerate(readme.splitlines(), 1)
-               if not line.startswith("    ")}
+    pages = ["README.md"] + sorted(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        blocks = re.findall(r"```bash\n(.*?)```", text, re.S) + re.findall(r"\n\n((?:    \S.*\n)+)", text)
+        places |= {f"{page} block {i}": [block] for i, block in enumerate(blocks)}
+        places |= {f"{page}:{i}": re.findall(r"`([^`]+)`", line) for i, line in enumerate(text.splitlines(), 1)
+                   if not line.startswith("    ")}
     found = {}
     for place, pieces in places.items():
         commands = [c for piece in pieces for c in expand(piece, cwd)]
@@ -97,7 +99,9 @@ def documented(cwd):
 
 def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
     places = documented(tmp_path)
-    # among them: each config's command, the dry run, Table 1, the CPU figures, the loop samplers, torchrun on CPU
+    assert any(p.startswith("README.md") for p in places) and any(p.startswith("docs/") for p in places)
+    # among them, across the README and docs/: each config's command, the dry run, Table 1, the CPU
+    # figures, the loop samplers, torchrun on CPU
     text = "\n".join(t for t, _ in places.values())
     for expected in ("config/flt_base.py --dry_run", "config/$s.py --variant=$v --loops=$k",
                      "config/cpu_diag.py --variant=$v", "--loops_sampler=lognormal_poisson --loops_max=24",

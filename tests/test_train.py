@@ -119,7 +119,7 @@ def test_bad_or_inert_setting_stops_train_py_before_any_work(tmp_path, arg, erro
 
 # ----------------------------------------------------------------------------- training
 
-# The keys of a log line (README, "Logs and plots"): a training step's on CPU (mem_gib is CUDA's),
+# The keys of a log line (docs/lm_eval_and_tracking.md, "Logs and plots"): a training step's on CPU (mem_gib is CUDA's),
 # an evaluation's, and the last step's.
 STEP_KEYS = {"step", "loss", "loops", "lrm", "grad_norm", "resid_norms", "tok_per_s", "dt", "mfu"} | {
     f"grad_{m}{c}" for m in ("mlp_first", "lm_head", "mlp_mid", "attn_mid") for c in ("", "_clipped")}
