@@ -75,8 +75,7 @@ def export(run, out, loops=None, force=False, log=print):
             "padding_side": "left", "model_max_length": config["sequence_len"], "clean_up_tokenization_spaces": False,
             "split_special_tokens": True})  # the document token's text inside a text is text, as in training
         write_json(os.path.join(tmp, "generation_config.json"), {
-            "bos_token_id": tok.bos_id, "eos_token_id": tok.bos_id, "pad_token_id": tok.bos_id,
-            "max_length": config["sequence_len"]})
+            "bos_token_id": tok.bos_id, "eos_token_id": tok.bos_id, "pad_token_id": tok.bos_id})
         for path in CODE:
             shutil.copy(path, tmp)
         write_json(os.path.join(tmp, "run.json"), {"checkpoint": os.path.abspath(meta["path"]),
