@@ -51,8 +51,9 @@ TEXTS = ["The function returns", "If the optional argument is given, the list", 
 def run(tmp_path_factory):
     """train.py's tiny run, its weights redrawn and saved again with its config, settings and tokenizer."""
     tmp = tmp_path_factory.mktemp("hf")
-    p = subprocess.run([sys.executable, "train.py", *TRAIN, f"--out_dir={tmp / 'trained'}", f"--data_dir={tmp / 'data'}"],
-                       cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "train.py", *TRAIN, f"--out_dir={tmp / 'trained'}",
+                        f"--data_dir={tmp / 'data'}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     model, meta = checkpoint.load_model(str(tmp / "trained"), log=quiet)
     return save_run(randomize_(model), meta, str(tmp / "run"))

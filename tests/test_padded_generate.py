@@ -77,6 +77,7 @@ def test_a_mask_without_padding_is_the_unpadded_forward():
 @pytest.mark.parametrize("mask", [[[1, 1, 0], [1, 1, 1]], [[0, 1, 0], [1, 1, 1]], [[1, 1], [1, 1]]])
 def test_a_mask_that_is_not_left_padding_is_refused(mask):
     model, idx = make_model("FLT", "full"), random_tokens(2, 3)
-    message = r"attention_mask: expected left padding" if len(mask[0]) == 3 else r"attention_mask \(2, 2\): expected the"
+    shape = r"attention_mask \(2, 2\): expected the prompt's \(2, 3\)"
+    message = r"attention_mask: expected left padding" if len(mask[0]) == 3 else shape
     with pytest.raises(ValueError, match=message):
         next(model.generate(idx, 2, attention_mask=torch.tensor(mask)))
