@@ -9,10 +9,9 @@ previous loop's output, keys/values from the current stream), so what a loop rea
 bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the two
 variant choices, the model and its loop (GPT.loop_states), decoding's KV cache, the exit rule.
 
-The five variants differ only in two choices, made once per loop and once per layer:
+The five variants differ only in two choices (so one loop body serves all), made once per loop and once per layer:
   restart(t):    what the stream starts loop t from  (LT: h, LT_i: norm(e + h), else norm(e))
   inject(layer): how the layer sees the previous loop (none, "attn" injection, or "res")
-so there is one loop body, not one per variant.
 """
 import math
 from contextlib import nullcontext
@@ -51,15 +50,12 @@ class GPTConfig:
     def __post_init__(self):
         def bad(field, allowed):
             raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
-        if self.variant not in VARIANTS:
-            bad("variant", f"expected one of {VARIANTS}")
-        if self.attn not in ATTNS:
-            bad("attn", f"expected one of {ATTNS}")
-        for field in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "kv_rank"):
+        for field, allowed in (("variant", VARIANTS), ("attn", ATTNS)):
+            if getattr(self, field) not in allowed:
+                bad(field, f"expected one of {allowed}")
+        for field in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "kv_rank", "loops"):
             if getattr(self, field) < 1:
-                bad(field, "expected a positive integer")
-        if self.loops < 1:
-            bad("loops", "expected an integer >= 1")
+                bad(field, "expected an integer >= 1")
         if self.n_head % self.n_kv_head:
             bad("n_kv_head", f"must divide n_head={self.n_head}")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -104,13 +100,18 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
-class CausalSelfAttention(nn.Module):
-    """Attention whose queries and keys/values may come from different streams.
+def rotary_tables(config):
+    """(cos, sin), each (ROPE_SPAN * sequence_len positions, 1, D/2): broadcast over batch and heads."""
+    head_dim = config.n_embd // config.n_head
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(ROPE_SPAN * config.sequence_len, dtype=torch.float32), inv_freq)
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
-    Self-attention: attn(norm(x), norm(x)). Attention injection (FLT, Sec. 4.2):
-    attn(norm(h_prev), norm(x)) with the same W_Q, W_K, W_V, W_O: the previous loop chooses
-    *what to read*, the current stream supplies what is read.
-    """
+
+class CausalSelfAttention(nn.Module):
+    """Attention whose queries and keys/values may come from different streams. Self-attention:
+    attn(norm(x), norm(x)). Attention injection (FLT, Sec. 4.2): attn(norm(h_prev), norm(x)) with the
+    same W_Q, W_K, W_V, W_O: the previous loop chooses *what to read*, the current stream supplies it."""
 
     def __init__(self, config, window):
         super().__init__()
@@ -135,34 +136,31 @@ class CausalSelfAttention(nn.Module):
             k, v = self.c_k_up(c), self.c_v_up(c)
         else:
             k, v = self.c_k(kv_in), self.c_v(kv_in)
-        k = k.view(B, T, self.n_kv_head, self.head_dim)
-        v = v.view(B, T, self.n_kv_head, self.head_dim)
+        k, v = (z.view(B, T, self.n_kv_head, self.head_dim) for z in (k, v))
         cos, sin = rope
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # RoPE, then QK-norm
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # (B, H, T, D)
-        pos = 0
-        if cache is not None:  # decoding: append this step's keys/values, attend over all so far
-            k, v, pos = cache(k, v)
-        if self.window is None and (cache is None or T == 1):
-            # full attention: is_causal without a cache (the flash kernel's path); one cached
-            # token sees every key, so it needs no mask at all
-            mask, causal = None, cache is None
-        else:
-            mask, causal = attention_mask(T, k.size(2), pos, self.window, q.device), False
+        if cache is None:  # full attention: is_causal (the flash kernel's path); a sliding window: its mask
+            mask = None if self.window is None else attention_mask(T, T, 0, self.window, q.device)
+        else:  # decoding: append this step's keys/values, attend over all so far, as the cache's mask says
+            k, v, mask = cache(k, v, self.window)
         gqa = self.n_kv_head != self.n_head
         if gqa and mask is not None:  # enable_gqa with a mask would fall back to the math kernel
             k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None and mask is None,
                                            enable_gqa=gqa and mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def attention_mask(n_q, n_k, pos, window, device):
-    """Boolean mask, True = visible: query pos+i sees key j iff j <= pos+i (and pos+i-j < window)."""
+def attention_mask(n_q, n_k, pos, window, device, pad=None):
+    """Boolean mask, True = visible: query pos+i sees key j iff j <= pos+i (and pos+i-j < window).
+    pad (B,): row b's first pad[b] keys are left padding, seen by no query but their own (B, 1, n_q, n_k)."""
     i = torch.arange(pos, pos + n_q, device=device)[:, None]
     j = torch.arange(n_k, device=device)[None, :]
-    visible = j <= i
-    return visible & (i - j < window) if window is not None else visible
+    visible = (j <= i) & (i - j < window) if window is not None else j <= i
+    if pad is not None:  # a padding query sees itself: a softmax over no key at all would be NaN
+        visible = visible & ((j >= pad[:, None, None, None]) | (i == j))
+    return visible
 
 
 class MLP(nn.Module):
@@ -185,8 +183,7 @@ class Block(nn.Module):
         if inject == "res":   # FLT_res: add the previous loop's output to the stream, renormalise
             x = norm(x + h_prev)
         kv_in = norm(x)
-        # Attention injection: queries from norm(h(t-1)); h(t-1) is already norm(stream), and norm
-        # is idempotent, so it is used as it is (no extra cost over self-attention).
+        # Attention injection: queries from h(t-1), already norm(stream) (norm is idempotent: no extra cost)
         q_in = h_prev if inject == "attn" else kv_in
         x = x + self.attn(q_in, kv_in, rope, cache)
         return x + self.mlp(norm(x))
@@ -227,12 +224,8 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config, w) for w in config.windows()]),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
-        head_dim = config.n_embd // config.n_head
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(ROPE_SPAN * config.sequence_len, dtype=torch.float32), inv_freq)
-        # (positions, 1, D/2): broadcast over batch and heads; not saved in checkpoints.
-        self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
-        self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
+        for name, table in zip(("cos", "sin"), rotary_tables(config)):  # not saved: rebuilt from the config
+            self.register_buffer(name, table, persistent=False)
 
     @torch.no_grad()
     def init_weights(self):
@@ -259,9 +252,9 @@ class GPT(nn.Module):
                 nn.init.uniform_(p, -s, s)
 
     def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
-        """The loop (Sec. 4), one body for all five variants: Loops(states=[h(1), ..., h(K)], resid_norms,
-        exit_loops) from one pass, h(t) = norm(stream after loop t), each a prediction point (`head`).
-        kv_cache: decoding's KVCache for K loops; this call's tokens are written at its pos.
+        """The loop (Sec. 4), one body for all five variants: Loops(states=[h(1), ..., h(K)], resid_norms, exit_loops)
+        from one pass, h(t) = norm(stream after loop t), each a prediction point (`head`). kv_cache: decoding's
+        KVCache for K loops; this call's tokens are written at its pos (RoPE positions: KVCache.positions).
         bptt_loops: truncated backpropagation (_truncated_backprop); None = every loop.
         exit_threshold: depth per token (ExitRule), at most K loops. A full forward gets a KV cache of
         its own, as long as the input, so cached decoding and a full forward compute the same function."""
@@ -270,8 +263,8 @@ class GPT(nn.Module):
         if exit_threshold is not None and kv_cache is None:  # the exit rule's own cache
             kv_cache = KVCache(B, K, self.config, capacity=T)
         exits = ExitRule(exit_threshold, idx, self.head, kv_cache)  # does nothing without a threshold
-        pos = 0 if kv_cache is None else kv_cache.pos
-        rope, e = (self.cos[pos:pos + T], self.sin[pos:pos + T]), self.transformer.wte(idx)
+        at = slice(0, T) if kv_cache is None else kv_cache.positions(T)  # RoPE positions of this call's tokens
+        rope, e = (self.cos[at], self.sin[at]), self.transformer.wte(idx)
         x0, hs, norms = norm(e), [], []
         for t in range(K):
             h_prev = hs[-1] if hs else None
@@ -300,8 +293,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def _truncated_backprop(t, K, bptt_loops):
-        """Truncated backpropagation (Huginn): only the last bptt_loops of the K loops build a graph;
-        loop t before them runs under no_grad, so its output enters the window as a constant."""
+        """Truncated backpropagation (Huginn): loops before the last bptt_loops run under no_grad (constants)."""
         return torch.no_grad() if bptt_loops is not None and t < K - bptt_loops else nullcontext()
 
     def _checkpointed_loop(self, *args):
@@ -331,10 +323,9 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None, bptt_loops=None,
                 exit_threshold=None, return_loops=False):
-        """Logits (B, T, V) of the last loop, or the loss if targets are given.
-        all_loops=True: a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
-        return_loops=True: (that output, the pass's Loops), e.g. `loss, looped = model(x, y,
-        return_loops=True)` for looped.resid_norms. bptt_loops, exit_threshold: see loop_states."""
+        """Logits (B, T, V) of the last loop, or the loss if targets are given. all_loops=True: a list of K
+        logits, or a (K,) tensor of per-loop losses, from one pass. return_loops=True: (that output, the pass's
+        Loops), e.g. `loss, looped = model(x, y, return_loops=True)` for looped.resid_norms."""
         looped = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
         every = all_loops or (targets is not None and self.config.loss_all_loops)
         hs = looped.states if every else looped.states[-1:]  # other loops cost no head FLOPs unless asked for
@@ -347,14 +338,17 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
-                 exit_threshold=None):
+                 exit_threshold=None, attention_mask=None):
         """Stream (B, 1) tokens with a KV cache of K*L entries: a prefill, then one token a step.
-        exit_threshold: depth per token, at most K loops (loop_states)."""
+        exit_threshold: depth per token, at most K loops (loop_states). attention_mask (B, T): 0 marks
+        left padding, so that prompts of different lengths share a batch (KVCache)."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
+        if attention_mask is not None and attention_mask.shape != idx.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)}: expected the prompt's {tuple(idx.shape)}")
         rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
-        cache = self.new_kv_cache(idx.size(0), loops)
+        cache = self.new_kv_cache(idx.size(0), loops, attention_mask)
         logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
         for step in range(max_new_tokens):
             if temperature == 0:
@@ -369,8 +363,8 @@ class GPT(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
 
-    def new_kv_cache(self, batch_size, loops=None):
-        return KVCache(batch_size, self.loop_count(loops), self.config)
+    def new_kv_cache(self, batch_size, loops=None, attention_mask=None):
+        return KVCache(batch_size, self.loop_count(loops), self.config, attention_mask=attention_mask)
 
     def loop_count(self, loops=None):
         """K for a call: loops, or the config's default when None."""
@@ -383,11 +377,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def estimate_flops(self, loops=None, bptt_loops=None):
-        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight).
-        The blocks run K times; the LM head once per supervised loop; attention scores cost
-        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
-        backpropagation only the last bptt_loops loops are differentiated: the loops before them
-        run forward only, 2 FLOPs per weight (and a third of the attention cost)."""
+        """Training FLOPs per token (forward + backward = 3x forward = 6 per weight). The blocks run K times;
+        the LM head once per supervised loop; attention scores cost 12 * d_model * (visible keys) per layer and
+        loop (nanochat's convention). With truncated backpropagation the loops before the last bptt_loops run
+        forward only, 2 FLOPs per weight (and a third of the attention cost)."""
         c, K = self.config, self.loop_count(loops)
         G = K if bptt_loops is None else min(K, bptt_loops)
         block = sum(p.numel() for p in self.transformer.h.parameters())
@@ -396,10 +389,9 @@ class GPT(nn.Module):
         return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))  # in forward passes
 
     def compile_regions(self, **kwargs):
-        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
-        The blocks share their code, so dynamo builds one graph per kind of layer (injection
-        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
-        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
+        """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model. The blocks
+        share their code: one graph per kind of layer (injection x window), reused in every loop, so compile time
+        does not grow with K and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
         activations alive). Runs with a KV cache stay eager. Returns the model."""
         for block in self.transformer.h:
             block.compile(**kwargs)
@@ -411,24 +403,34 @@ class GPT(nn.Module):
 # Decoding and depth per token: a KV cache per (loop, layer), and the exit rule.
 
 class KVCache:
-    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from
-    a different stream. A forward writes its tokens at `pos`; the cache holds `capacity` tokens."""
+    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from a different stream.
+    A forward writes its tokens at `pos`; the cache holds `capacity` tokens. attention_mask (B, T) of the first
+    forward, 0 = left padding: row b's first pad[b] slots are never attended to; its positions start after them."""
 
-    def __init__(self, batch_size, loops, config, capacity=None):
+    def __init__(self, batch_size, loops, config, capacity=None, attention_mask=None):
         self.loops, self.n_layer, self.pos = loops, config.n_layer, 0
         self.capacity = capacity or config.sequence_len
         self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
         self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
+        self.pad = None if attention_mask is None or attention_mask.all() else (attention_mask == 0).sum(1)
+        if self.pad is not None and (attention_mask != 0).int().diff(dim=1).min() < 0:  # a 1 before a 0
+            raise ValueError("attention_mask: expected left padding, each row's 0s (padding) before its 1s")
+
+    def positions(self, n):
+        """RoPE positions of the next n tokens: their slots, or per row (B, n) from its first token."""
+        if self.pad is None:
+            return slice(self.pos, self.pos + n)
+        return (torch.arange(self.pos, self.pos + n, device=self.pad.device) - self.pad[:, None]).clamp(min=0)
 
     def slot(self, loop, layer, like):
         if (loop, layer) not in self.kv:
             self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
         return self.kv[loop, layer]
 
-    def update(self, loop, layer, k, v, done=None):
-        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far and
-        pos. done (B, T): this forward's positions that stopped looping before `loop` (ExitRule);
-        they keep the previous loop's keys/values, which are their exit loop's (as Huginn's cache)."""
+    def update(self, loop, layer, k, v, window=None, done=None):
+        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far and the
+        attention mask (window: the layer's). done (B, T): this forward's positions that stopped looping before
+        `loop` (ExitRule); they keep the previous loop's keys/values, their exit loop's (as Huginn's cache)."""
         k_all, v_all = self.slot(loop, layer, k)
         end = self.pos + k.size(2)
         if done is not None and loop > 0:
@@ -437,11 +439,12 @@ class KVCache:
             k = torch.where(keep, k_prev[:, :, self.pos:end], k)
             v = torch.where(keep, v_prev[:, :, self.pos:end], v)
         k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
-        return k_all[:, :, :end], v_all[:, :, :end], self.pos
+        unmasked = window is None and self.pad is None and k.size(2) == 1  # one new token sees every key
+        mask = None if unmasked else attention_mask(k.size(2), end, self.pos, window, k.device, self.pad)
+        return k_all[:, :, :end], v_all[:, :, :end], mask
 
     def fill(self, last, n):
-        """Every position of this forward (n tokens from pos) exited by loop `last`: copy their
-        keys/values into the loops after it, which were not run."""
+        """All n tokens from pos exited by loop `last`: copy their keys/values into the loops not run after it."""
         for loop in range(last + 1, self.loops):
             for layer in range(self.n_layer):
                 prev = self.kv[loop - 1, layer]
@@ -450,11 +453,10 @@ class KVCache:
 
 
 class ExitRule:
-    """Depth per token (Huginn's KL exit) in one forward over idx (B, T): from loop 2 on, a position stops
-    looping once KL(p(t-1) || p(t)) of its LM-head distributions is below `threshold` (nats). Its h(t)
-    then stays h(exit loop), and its keys/values at later loops are its exit loop's (`done`, for
-    KVCache.update), so later tokens attend to the last state it reached. exit_loops (B, T): the loops
-    each position ran. threshold None: no rule (done and exit_loops None; every loop runs)."""
+    """Depth per token (Huginn's KL exit) in one forward over idx (B, T): from loop 2 on, a position stops looping
+    once KL(p(t-1) || p(t)) of its LM-head distributions is below `threshold` (nats). Its h(t) then stays h(exit
+    loop), and its keys/values at later loops are its exit loop's (`done`, for KVCache.update), so later tokens
+    attend to the last state it reached. exit_loops (B, T): the loops each position ran; threshold None: no rule."""
 
     def __init__(self, threshold, idx, head, kv_cache):
         self.threshold, self.head, self.kv_cache, self.logp = threshold, head, kv_cache, None

@@ -24,12 +24,13 @@ The rules, each one a test in tests/test_train.py:
 """
 import errno
 import fcntl
+import json
 import math
 import os
 import re
 import shutil
 import socket
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 
@@ -120,13 +121,40 @@ def load_newest(path, device="cpu", rank_files=False, log=print):
 
 
 def load_model(path, device="cpu", log=print):
-    """(model, meta) from a step directory or a run's out_dir (its newest readable checkpoint);
-    meta holds the step, the settings and `path`, the step directory used."""
+    """(model, meta) from a step directory or a run's out_dir (its newest readable checkpoint), or from a
+    folder scripts/export_hf.py wrote (read_export); meta holds the step, the settings and `path`, the
+    step directory (or folder) used, where its tokenizer.json is."""
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return read_export(path, device)
     step_dir, meta = load_newest(path, device, log=log)
     model = GPT(GPTConfig(**meta.pop("config")))
     model.load_state_dict(meta.pop("model"))
     meta["path"] = step_dir
     return model.to(device), meta
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_export(folder, device="cpu"):
+    """(model, meta) of an exported Hugging Face folder, read without transformers: the GPTConfig fields
+    of config.json, the weights of model.safetensors (tensors only: reading them runs no code) and
+    run.json's step and training settings. Needs safetensors (requirements/hf.txt)."""
+    from safetensors.torch import load_file  # imported here: only exported folders need it
+    files = {name: os.path.join(folder, name) for name in ("config.json", "run.json", "model.safetensors")}
+    try:
+        config, run = (_read_json(files[name]) for name in ("config.json", "run.json"))
+        state = load_file(files["model.safetensors"], device=str(device))
+    except (OSError, ValueError) as e:  # a missing file, JSON or safetensors that cannot be read
+        raise ValueError(f"{folder}: not a readable exported model ({type(e).__name__}: {e})") from e
+    if config.get("model_type") != "flt" or run.get("format") != FORMAT:
+        raise FormatError(f"{folder}: model_type {config.get('model_type')!r}, checkpoint format {run.get('format')}"
+                          f": this code reads model_type 'flt' exported from checkpoint format {FORMAT}")
+    model = GPT(GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}))
+    model.load_state_dict({name.removeprefix("model."): tensor for name, tensor in state.items()})
+    return model.to(device), {"step": run.get("step"), "settings": run.get("settings", {}), "path": folder}
 
 
 def saved_world(step_dir, meta):

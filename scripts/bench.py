@@ -7,6 +7,7 @@ Speed and memory checks, measured side by side in one run.
         # peak memory of a training step, checkpoint_loops off/on, regional vs whole-model compile
     python -m scripts.bench --mode=loader     # data.DataLoader tokens/s on the embedded corpus
     python -m scripts.bench --mode=lmeval     # lm_eval_flt: loglikelihoods at K=1,3,6,9,12 in one sweep vs five passes
+    python -m scripts.bench --mode=hf         # transformers' generate on an exported folder vs model.generate
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
@@ -30,7 +31,7 @@ from flt.planning import peak_flops
 from flt.runtime import precision, resolve_dtype, setup, user_errors
 from optim import build_optimizers
 
-mode = "ratios"             # ratios | train | memory | loader (memory_step: one memory run)
+mode = "ratios"             # ratios | train | memory | loader | lmeval | hf (memory_step: one memory run)
 device = "cpu"              # cpu | cuda | cuda:N | mps; empty = cuda if there is one, else cpu
 depth = 4
 sequence_len = 256
@@ -48,6 +49,7 @@ compile_mode = "regional"   # train mode: eager | regional (GPT.compile_regions)
 dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (runtime.precision)
 steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader mode
+run = ""                    # hf mode: a run's out_dir or step dir; "" = a fresh FLT of this depth, saved and exported
 seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
 with user_errors():  # a bad setting: its message and exit status 1, no traceback (as eval.py)
@@ -294,9 +296,51 @@ def lmeval():
     ratio(f"lm-eval loops {budgets}: one sweep / one pass at K={budgets[-1]}", sweep, largest, "<= 1.25")
 
 
+def hf():
+    """The transformers wrapper's overhead: model.generate(do_sample=False) of the exported folder (FLTForCausalLM,
+    the same KVCache) against the project's model.generate(temperature=0) on the same run, the same prompt
+    (B=batch_size, 16 tokens), the same gen_tokens tokens (checked equal). Needs requirements/hf.txt."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    from flt import checkpoint
+    from scripts import export_hf
+    with tempfile.TemporaryDirectory() as tmp:
+        source = run
+        if not source:  # the embedded corpus's 4096-id BPE: make()'s vocabulary
+            source = os.path.join(tmp, "run")
+            checkpoint.save(source, 0, make("FLT", seq=16 + gen_tokens)[0], {}, settings={}, files={"tokenizer.json":
+                            lambda path: shutil.copy(os.path.join("data", "embedded", "tokenizer_bpe4096.json"), path)})
+        folder = export_hf.export(source, os.path.join(tmp, "hf"), log=lambda *args: None)
+        ours = checkpoint.load_model(folder, device, log=lambda *args: None)[0].eval()
+        theirs = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).to(device).eval()
+    autocast = precision(ours, rt.device_type, dtype)
+    precision(theirs.model, rt.device_type, dtype)
+    K, T = ours.config.loops, ours.config.sequence_len
+    n = min(gen_tokens, T - 16)
+    prompt = torch.randint(0, ours.config.vocab_size, (batch_size, 16), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+
+    def project():
+        with autocast:
+            return torch.cat(list(ours.generate(prompt, n, temperature=0)), 1)
+
+    @torch.no_grad()
+    def transformers():  # eos_token_id=None: no stop at the document token, so both make all n tokens
+        with autocast:
+            return theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
+                                   eos_token_id=None)[:, prompt.size(1):]
+
+    if not torch.equal(project(), transformers()):
+        raise RuntimeError("transformers' generate and model.generate made different tokens")
+    print(f"device {device}, depth {ours.config.n_layer}, B={batch_size}, loops {K}, {n} tokens after 16, "
+          f"median of {repeats}")
+    r = ratio(f"generate {n} tokens: transformers / project", transformers, project, "<= 1.25")
+    print(f"the transformers wrapper's generate takes {r:.2f}x the time of the project's")
+
+
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
-             "lmeval": lmeval}
+             "lmeval": lmeval, "hf": hf}
     with user_errors():
         if mode not in modes:
             raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")

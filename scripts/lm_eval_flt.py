@@ -146,8 +146,9 @@ class LoopedLM(TemplateLM):
         """Greedy continuations at self.K by model.generate's KV cache, each context cut on the left so
         that it and max_gen_toks fit in sequence_len, stopped at the first `until` string, a document
         token (BOS: a new document would begin) or max_gen_toks tokens, and cut before the stop string.
-        Contexts of the same length share a batch (no padding, which would change what they attend to),
-        longest first. Not shared across K: each K decodes its own tokens."""
+        Requests with the same max_gen_toks share a batch, longest context first, each left-padded to the
+        longest with an attention mask (model.generate: a padded context computes what it computes alone).
+        Not shared across K: each K decodes its own tokens."""
         bos_text = self.tok.decode([self.tok.bos_id])
         jobs = []
         for context, gen_kwargs in (r.args for r in requests):
@@ -160,12 +161,12 @@ class LoopedLM(TemplateLM):
                 raise ValueError(f"max_gen_toks={max_new}: expected 1 to {self.max_length - 1}, leaving room for "
                                  f"a context in sequence_len={self.max_length} (--gen_kwargs max_gen_toks=N sets it)")
             jobs.append((self.tok_encode(context)[max_new - self.max_length:], max_new, [u for u in until if u]))
-        by_length = defaultdict(list)
-        for i, (ids, _, _) in enumerate(jobs):
-            by_length[len(ids)].append(i)
+        by_budget = defaultdict(list)  # a batch's longest context and max_gen_toks fit in sequence_len
+        for i in sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0])):
+            by_budget[jobs[i][1]].append(i)
         texts = [None] * len(jobs)
         progress = corpus.Progress(f"generate_until at K={self.K}", len(jobs), "requests", log=self.log)
-        for _, group in sorted(by_length.items(), reverse=True):
+        for group in by_budget.values():
             for batch in (group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size)):
                 for i, text in zip(batch, self._greedy([jobs[i] for i in batch])):
                     texts[i] = text
@@ -173,13 +174,15 @@ class LoopedLM(TemplateLM):
         return texts
 
     def _greedy(self, jobs):
-        """Each job's (context ids, max new tokens, stop strings) continued greedily, in one batch of
-        equal-length contexts; decoding ends once every row has stopped."""
+        """Each job's (context ids, max new tokens, stop strings) continued greedily, in one batch of contexts
+        left-padded (with BOS, masked) to the longest; decoding ends once every row has stopped."""
         new, stopped = [[] for _ in jobs], [False] * len(jobs)
-        context = torch.tensor([ids for ids, _, _ in jobs], device=next(self.model.parameters()).device)
+        width, device = max(len(ids) for ids, _, _ in jobs), next(self.model.parameters()).device
+        context = torch.tensor([[self.tok.bos_id] * (width - len(ids)) + ids for ids, _, _ in jobs], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in jobs], device=device)
         with self.numerics:
             for tokens in self.model.generate(context, max(n for _, n, _ in jobs), temperature=0, loops=self.K,
-                                              exit_threshold=self.exit_threshold):
+                                              exit_threshold=self.exit_threshold, attention_mask=mask):
                 for row, (token, (_, n, until)) in enumerate(zip(tokens[:, 0].tolist(), jobs)):
                     if not stopped[row]:
                         new[row].append(token)

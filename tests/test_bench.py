@@ -50,7 +50,7 @@ def test_memory_step_prints_one_json_record():
 def test_unknown_mode_names_the_modes():
     p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 1 and "mode='nope': expected one of ['lmeval', 'loader', 'memory', 'memory_step', " \
+    assert p.returncode == 1 and "mode='nope': expected one of ['hf', 'lmeval', 'loader', 'memory', 'memory_step', " \
                                   "'ratios', 'train']" in p.stderr
 
 
@@ -66,3 +66,15 @@ def test_lmeval_prints_the_quotient_of_a_sweep_and_five_passes(embedded):
     for m in rows:
         a, b, r = (float(m.group(i)) for i in (2, 3, 4))
         assert r == pytest.approx(a / b, abs=0.005 + 0.05 * (a + b) / b**2), m.group(0)
+
+
+def test_hf_prints_the_quotient_of_transformers_generate_and_the_projects(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the folder is local: never a hub lookup
+    *_, head, row, overhead = bench("--mode=hf", "--repeats=1", "--gen_tokens=8")
+    assert head == "device cpu, depth 1, B=2, loops 2, 8 tokens after 16, median of 1"
+    m = RATIO.fullmatch(row)
+    assert m and (m.group(1), m.group(5)) == ("generate 8 tokens: transformers / project", "<= 1.25")
+    a, b, r = (float(m.group(i)) for i in (2, 3, 4))
+    assert r == pytest.approx(a / b, abs=0.005 + 0.05 * (a + b) / b**2), row
+    assert overhead == f"the transformers wrapper's generate takes {m.group(4)}x the time of the project's"

@@ -1,0 +1,113 @@
+"""
+Export a trained run as a Hugging Face transformers model folder (docs/huggingface.md).
+
+    pip install -r requirements/hf.txt
+    python -m scripts.export_hf out/d3_flt_k3 hf/d3_flt_k3                   # the run's newest readable checkpoint
+    python -m scripts.export_hf out/d3_flt_k3/step_002000 hf/d3_k6 --loops=6  # a step directory; default K = 6
+
+The folder loads offline, anywhere, with transformers alone:
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True); AutoTokenizer.from_pretrained(folder)
+and eval.py and lm_eval_flt read it as they read a run. It holds:
+    config.json              every GPTConfig setting (loops: the default K) and auto_map, which names the code below
+    model.safetensors        the weights, in fp32 (tensors only: loading them runs no code)
+    tokenizer.json           the run's tokenizer; encoding with special tokens puts the document token (BOS) first
+    tokenizer_config.json    BOS = EOS = PAD = the document token; padding on the left (model.py's padding)
+    generation_config.json   decoding stops at the document token (a new document would begin)
+    modeling_flt.py, configuration_flt.py   the transformers wrapper (flt/hf_remote/), around
+    model.py                 this repository's model.py itself, imported by the wrapper
+    run.json                 the checkpoint exported, its step and training settings
+It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+
+from safetensors.torch import save_file
+from tokenizers.processors import TemplateProcessing
+
+import data
+from flt import checkpoint
+from flt.runtime import user_errors
+from model import GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CODE = [os.path.join(ROOT, "flt", "hf_remote", name) for name in ("configuration_flt.py", "modeling_flt.py")]
+CODE.append(os.path.join(ROOT, "model.py"))
+AUTO_MAP = {"AutoConfig": "configuration_flt.FLTConfig", "AutoModelForCausalLM": "modeling_flt.FLTForCausalLM"}
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def export(run, out, loops=None, force=False, log=print):
+    """Write the folder `out` for the newest readable checkpoint at `run` (a run's out_dir or a step directory);
+    loops: the default K of the export (None: the run's). Returns out's absolute path."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ValueError(f"{out} already exists; choose another folder, or --force to replace it")
+    model, meta = checkpoint.load_model(run, log=log)
+    settings = meta.get("settings", {})
+    config = asdict(GPTConfig(**asdict(model.config) | ({} if loops is None else {"loops": loops})))
+    tok = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"), bos=settings.get("bos_token", data.BOS))
+    bos = tok.tok.id_to_token(tok.bos_id)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    try:
+        write_json(os.path.join(tmp, "config.json"), {
+            "architectures": ["FLTForCausalLM"], "model_type": "flt", "auto_map": AUTO_MAP, **config,
+            "bos_token_id": tok.bos_id, "eos_token_id": tok.bos_id, "pad_token_id": tok.bos_id,
+            "tie_word_embeddings": False, "use_cache": True, "dtype": "float32"})
+        state = {f"model.{k}": v.detach().float().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        # transformers encodes with special tokens by default: BOS first, as every training document began
+        tok.tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
+                                                    special_tokens=[(bos, tok.bos_id)])
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        write_json(os.path.join(tmp, "tokenizer_config.json"), {
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": bos, "pad_token": bos,
+            "padding_side": "left", "model_max_length": config["sequence_len"], "clean_up_tokenization_spaces": False,
+            "split_special_tokens": True})  # the document token's text inside a text is text, as in training
+        write_json(os.path.join(tmp, "generation_config.json"), {
+            "bos_token_id": tok.bos_id, "eos_token_id": tok.bos_id, "pad_token_id": tok.bos_id})
+        for path in CODE:
+            shutil.copy(path, tmp)
+        write_json(os.path.join(tmp, "run.json"), {"checkpoint": os.path.abspath(meta["path"]),
+                                                   "step": meta.get("step"), "format": checkpoint.FORMAT,
+                                                   "settings": settings})
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 is for the name, not the folder
+        if os.path.exists(out):  # --force: the old folder is set aside, the new one renamed in, the old removed
+            os.rename(out, tmp + ".old")
+        os.rename(tmp, out)
+        shutil.rmtree(tmp + ".old", ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"exported {meta['path']} (step {meta.get('step')}, {config['variant']}, default K={config['loops']}) "
+        f"to {out}")
+    return out
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="python -m scripts.export_hf", description=__doc__.split("\n\n")[1].strip())
+    p.add_argument("run", help="a run's out_dir (its newest readable step_*) or a step directory")
+    p.add_argument("out", help="the folder to write (it must not exist, unless --force)")
+    p.add_argument("--loops", type=int, default=None, help="the default K of the export; default: the run's")
+    p.add_argument("--force", action="store_true", help="replace <out> if it exists")
+    args = p.parse_args(argv)
+    if not os.path.exists(args.run):
+        raise FileNotFoundError(f"run {args.run!r}: no such directory")
+    if args.loops is not None and args.loops < 1:
+        raise ValueError(f"--loops={args.loops}: expected an integer >= 1")
+    return export(args.run, args.out, args.loops, args.force)
+
+
+if __name__ == "__main__":
+    with user_errors():  # a bad path or setting: its message and exit status 1, no traceback
+        main(sys.argv[1:])
