@@ -230,8 +230,7 @@ WRITTEN, NO_SPACE, DISK_FULL, FAILED = range(4)
 PUBLISH = "rename it into place or prune the older checkpoints"
 
 
-def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=None, keep=2, keep_every=0,
-         files=None):
+def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_every=0, files=None):
     """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
     prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer).
     Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one.
@@ -242,8 +241,7 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=None, ke
     not, rank 0 removes tmp_step_N and every rank raises: a DiskSpaceError (an OSError) naming the
     path, the bytes needed and free, with the same message on every rank, when a disk was too full;
     else the failing rank its own error and the others a RuntimeError naming it. Either way nothing
-    of step N is kept and the earlier checkpoints are untouched (not pruned, not renamed).
-    barrier: unused (the agreements synchronise the ranks); accepted for callers that pass it."""
+    of step N is kept and the earlier checkpoints are untouched (not pruned, not renamed)."""
     state = model.state_dict()
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
