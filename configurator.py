@@ -4,6 +4,7 @@ A config file (positional) overrides the defaults, each --key=value overrides bo
 --key sets a boolean. Unknown keys and wrong types are errors naming the key, never ignored.
 """
 import ast
+import runpy
 import types
 
 from flt.usage import describe
@@ -22,8 +23,7 @@ def _checked(key, value, default, source, words=()):
         return value
     if type(default) is float and type(value) is int:
         return float(value)
-    raise ValueError(f"{source}: setting {key!r} expects {type(default).__name__}, "
-                     f"got {type(value).__name__} {value!r}")
+    raise ValueError(f"{source}: setting {key!r} expects {type(default).__name__}, got {type(value).__name__} {value!r}")
 
 
 def _parse(key, raw, default, source, words=()):
@@ -59,9 +59,7 @@ def configure(namespace, argv, source=None):
                 raise ValueError(f"--{key}: expected --{key}=value")
             namespace[key] = _parse(key, raw, defaults[key], f"--{key}", words.get(key, ())) if sep else True
         elif arg.endswith(".py"):
-            scope = {}
-            with open(arg) as f:  # FileNotFoundError names the file
-                exec(compile(f.read(), arg, "exec"), scope)
+            scope = runpy.run_path(arg)  # FileNotFoundError names the file
             for key, value in scope.items():  # builtins and the imports a config file may use are skipped
                 if not key.startswith("_") and not isinstance(value, types.ModuleType):
                     if key not in defaults:

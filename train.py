@@ -14,18 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from flt import checkpoint
-from flt import cluster
-from flt import corpus
 import data
-from flt import diagnostics
-from configurator import configure
 import eval as evaluation
-from model import GPT, GPTConfig
-from flt import planning
-from flt import runtime
+from configurator import configure
+from flt import checkpoint, cluster, corpus, diagnostics, planning, runtime, tracking
 from flt.runtime import print0
-from flt import tracking
+from model import GPT, GPTConfig
 from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients, sample_loops
 
 # ----------------------------------------------------------------------------- settings
@@ -102,39 +96,59 @@ out_dir = settings["out_dir"] = planning.run_dir(settings)  # e.g. out/base_flt_
 
 # ----------------------------------------------------------------------------- setup
 rt = runtime.setup(device)
-ddp, rank, world_size, master, device = rt.ddp, rt.rank, rt.world, rt.master, rt.device
+rank = rt.rank
+world_size = rt.world
+master = rt.master  # rank 0: prints, logs, and writes what the ranks share
+device = rt.device
 cuda = rt.device_type == "cuda"
 
-
-def stop(message, code):
-    runtime.stop(rt, message, code)
-
-
-if dry_run:
-    print(planning.plan(settings, world_size))
-    sys.exit(0)
-dtype = settings["dtype"] = runtime.resolve_dtype(dtype, rt.device_type)  # saved: eval uses it
-grad_accum = planning.grad_accum(settings, world_size)  # forwards per rank and optimizer step
-
-# The run directory: checked and locked before any minute is spent on data or the model.
-run_lock = None
-if master:
-    checkpoint.prepare_out_dir(out_dir, resume, overwrite)
-    run_lock = checkpoint.lock_out_dir(out_dir)
-tracker = tracking.Tracker(wandb_project, out_dir, settings) if master and wandb_project else None
-
-# Data: every rank prepares it before the process group exists (a download of many GB would
-# outlast a collective's timeout); file locks make one process do each piece of work.
-if dataset == "embedded":
-    shards = corpus.embedded_corpus(data_dir)
-if tokenizer != "bpe":
-    tok = data.load_tokenizer(tokenizer, cache_dir=data_dir, bos=bos_token)
-elif dataset == "embedded":  # the local BPE is trained on the training shards, cached beside them
-    tok = data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size, bos=bos_token)
+if dry_run:  # the plan reads the vocabulary's size from the settings: nothing is locked, built or fetched
+    vocab_size = planning.planned_vocab(settings)
 else:
-    tok = None  # trained once the shards are here; the horizon below counts bpe_vocab_size ids
-config = planning.model_config(settings, tok.vocab_size if tok else bpe_vocab_size)
-_, horizon, num_steps = planning.size_and_horizon(settings, config)
+    dtype = settings["dtype"] = runtime.resolve_dtype(dtype, rt.device_type)  # saved: eval uses it
+    # Gradient accumulation: an optimizer step sees total_batch_size tokens whatever the hardware, as
+    # grad_accum forwards of device_batch_size sequences on each rank, their gradients summed.
+    tokens_per_fwdbwd = device_batch_size * sequence_len * world_size  # one forward on every rank
+    planning.check_grad_accum(total_batch_size, tokens_per_fwdbwd)  # a ValueError unless it divides
+    grad_accum = total_batch_size // tokens_per_fwdbwd
+
+    # The run directory: checked and locked before any minute is spent on data or the model.
+    run_lock = checkpoint.claim_out_dir(out_dir, resume, overwrite) if master else None  # held while the run lives
+    tracker = tracking.Tracker(wandb_project, out_dir, settings) if master and wandb_project else None
+
+    # Data: every rank prepares it before the process group exists (a download of many GB would
+    # outlast a collective's timeout); file locks make one process do each piece of work.
+    if dataset == "embedded":
+        shards = corpus.embedded_corpus(data_dir)
+    if tokenizer != "bpe":
+        tok = data.load_tokenizer(tokenizer, cache_dir=data_dir, bos=bos_token)
+    elif dataset == "embedded":  # the local BPE is trained on the training shards, cached beside them
+        tok = data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], bpe_vocab_size, bos=bos_token)
+    else:
+        tok = None  # trained once the shards are here; the horizon below counts bpe_vocab_size ids
+    vocab_size = tok.vocab_size if tok else bpe_vocab_size
+
+# The model: the paper's backbone from one integer (nanochat's): 64 dimensions per layer, heads of
+# at most 128 dimensions, so a deeper model is a wider one too.
+n_embd = 64 * depth
+n_head = math.ceil(n_embd / 128)
+kv_heads = n_head if n_kv_head == -1 else n_kv_head  # fewer than n_head: GQA
+config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                   n_kv_head=kv_heads, n_embd=n_embd, loops=loops, variant=variant, attn=attn, kv_rank=kv_rank,
+                   window_pattern=window_pattern, loss_all_loops=loss_all_loops, checkpoint_loops=checkpoint_loops)
+with torch.device("meta"):  # its size and cost, before any data is fetched or memory spent
+    sized = GPT(config)
+# The horizon: 20 training tokens per parameter, counting every parameter as the authors' code does,
+# or (horizon_params="non_embedding") all but the token embedding, as the paper's appendix says.
+params = {"all": sized.num_params()}
+params["non_embedding"] = params["all"] - config.padded_vocab * n_embd
+horizon_tokens = {count: 20 * n for count, n in params.items()}
+if num_steps == -1:
+    num_steps = max(1, horizon_tokens[horizon_params] // total_batch_size)  # at least one step
+if dry_run:
+    print(planning.plan(settings, sized, params, horizon_tokens, num_steps, world_size))
+    sys.exit(0)
+
 if dataset == "fineweb":
     shards = corpus.download_shards(planning.training_shards(settings, num_steps * total_batch_size), data_dir)
 if tok is None:
@@ -158,8 +172,8 @@ if resume:
     ckpt_path, meta = checkpoint.load_newest(out_dir, device, rank_files=True, log=print0)
     step, changed = meta["step"], planning.resume_changes(meta["settings"], settings, ckpt_path)
     if step >= num_steps:
-        stop(f"--resume: {ckpt_path} is at step {step} and num_steps={num_steps}: nothing to do "
-             f"(raise --num_steps to train further); checkpoints untouched", 0 if step == num_steps else 2)
+        runtime.stop(rt, f"--resume: {ckpt_path} is at step {step} and num_steps={num_steps}: nothing to do "
+                     f"(raise --num_steps to train further); checkpoints untouched", 0 if step == num_steps else 2)
     print0(f"resuming from {ckpt_path} (step {step}); settings changed: {', '.join(changed)}")
     with torch.device(device):
         model = GPT(GPTConfig(**meta["config"]))
@@ -174,41 +188,31 @@ else:
 start_step, config = step, model.config
 autocast = runtime.precision(model, rt.device_type, dtype)  # the same numerics eval.py will use
 flops_per_token = model.estimate_flops()  # counts the loops
-print0(f"{config.variant}, {config.loops} loops, {horizon['all']:,} parameters, {horizon['non_embedding']:,} without "
-       f"the embedding; {num_steps} steps of {total_batch_size:,} tokens = {num_steps * total_batch_size:,} "
-       f"tokens (horizon_params={horizon_params!r}); grad accumulation {grad_accum}; "
-       f"{flops_per_token:.3e} FLOPs/token; {device} x {world_size}")
+print0(f"{config.variant}, {config.loops} loops, {params['all']:,} parameters, {params['non_embedding']:,} without "
+       f"the embedding; {num_steps} steps of {total_batch_size:,} tokens = {num_steps * total_batch_size:,} tokens "
+       f"(horizon_params={horizon_params!r}); grad accumulation {grad_accum}; {flops_per_token:.3e} FLOPs/token; "
+       f"{device} x {world_size}")
 
-optimizers = build_optimizers(model, distributed=ddp, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
-                              unembedding_lr=unembedding_lr, ns_dtype=torch.bfloat16 if dtype == "bf16" else None)
+adamw, muon = build_optimizers(model, distributed=world_size > 1, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
+                               unembedding_lr=unembedding_lr, ns_dtype=torch.bfloat16 if dtype == "bf16" else None)
+optimizers = [adamw, muon]  # in this order in every checkpoint's rank state
 loader_state = None
 if ckpt_path:  # this rank's own state; or, saved by another number of ranks, every rank's (resharded)
     rank_states = checkpoint.load_rank_states(ckpt_path, meta, rank, world_size, device)
-    for i, opt in enumerate(optimizers):
-        checkpoint.load_optimizer(opt, [s["optimizers"][i] for s in rank_states])
-    own = rank_states[rank % len(rank_states)]
-    loader_state, monitor = [s["loader"] for s in rank_states], own["monitor"]
-    torch.set_rng_state(own["rng"].cpu())
-    if cuda and own["cuda_rng"] is not None:
-        torch.cuda.set_rng_state(own["cuda_rng"].cpu())
+    loader_state, monitor = checkpoint.restore_rank_state(rank_states, optimizers, rank, cuda)  # and the RNGs
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                          state=loader_state)
-resharded = ckpt_path and len(rank_states) != world_size and {
-    "step": step, "saved_world_size": len(rank_states), "skipped_documents": loader.skipped_documents}
-if resharded:
-    print0(f"{len(rank_states)} ranks saved {ckpt_path}, {world_size} resume it: the optimizer state is resharded "
-           f"exactly; the data continues after the furthest row group any rank had begun, skipping "
-           f"{loader.skipped_documents:,} documents no rank had reached")
+resharded = ckpt_path and checkpoint.resharded(ckpt_path, step, len(rank_states), world_size,
+                                               loader.skipped_documents, log=print0)
 watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 
 def validate(n_tokens):
-    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained loop count, as the authors' training
-    loop measures it: each rank scores n_tokens // (world_size * device_batch_size * sequence_len)
-    chunks of its own validation stream (eval.protocol_chunks), never more than one pass."""
+    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, as the authors' training loop measures it: each
+    rank scores n_tokens // tokens_per_fwdbwd chunks of its own validation stream, never more than one pass."""
     if n_tokens not in val_chunks:
         val_chunks[n_tokens] = evaluation.protocol_chunks(val_files, tok, sequence_len, n_tokens, world_size,
                                                           device_batch_size, rank, world_size)[0]
@@ -229,17 +233,19 @@ def core():
     return result[config.loops]["CORE"]
 
 
+def fail(message, code):
+    """Stop every rank over a failure, naming the checkpoint to go back to."""
+    runtime.stop(rt, f"{message}. Last good checkpoint: {last_good or 'none yet'}", code)
+
+
 def save(it):
-    rank_state = dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
-                      rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None,
-                      monitor=monitor)
+    rank_state = checkpoint.rank_state(optimizers, loader, monitor, cuda)
     clock.reset()
     try:
         return checkpoint.save(out_dir, it, model, rank_state, settings=settings, rank=rank, keep=keep_checkpoints,
                                keep_every=keep_every, files={"tokenizer.json": tok.save})
     except runtime.DiskSpaceError as e:  # too little disk, or it filled while written: every rank, one message
-        stop(f"step {it}: {e}; the earlier checkpoints are untouched. Last good checkpoint: "
-             f"{last_good or 'none yet'}", 1)
+        fail(f"step {it}: {e}; the earlier checkpoints are untouched", 1)
 
 
 # ----------------------------------------------------------------------------- training
@@ -247,18 +253,21 @@ log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_
 if resharded:
     log.write(resharded)
 bptt = None if bptt_loops == -1 else bptt_loops
-peak, last_good = planning.peak_flops(torch.cuda.get_device_name(device)) if cuda else None, ckpt_path
+peak = planning.peak_flops(torch.cuda.get_device_name(device)) if cuda else None  # FLOP/s, for MFU
+last_good = ckpt_path  # the checkpoint a failed run points back to
 # SIGTERM / SIGUSR1 end the run at the next step's end, with a checkpoint (cluster.py); so may a clock
-preemption, clock, preempted, save_due = cluster.Preemption(), cluster.Clock(save_interval_minutes), False, False
+preemption = cluster.Preemption()
+clock = cluster.Clock(save_interval_minutes)
+preempted = save_due = False  # what the ranks agreed at the last step
 while True:
-    last_step = step == num_steps  # the last step only evaluates and saves
+    last_step = step == num_steps  # the last step only evaluates and saves: step num_steps is the final model
     record = {"step": step}
     if step > start_step and (step % save_interval == 0 or last_step or save_due or preempted):
         last_good = save(step)  # before evaluating: a preempted run has seconds, not minutes
     if preempted and not last_step:  # at the last step the checkpoint is the run: finish it
         log.write({"step": step, "preempted": preemption.signal or "another rank", "checkpoint": last_good})
-        stop(f"preempted ({preemption.signal or 'signal on another rank'}): saved {last_good}; exit "
-             f"{cluster.PREEMPTED}: requeue with --resume=auto", cluster.PREEMPTED)
+        runtime.stop(rt, f"preempted ({preemption.signal or 'signal on another rank'}): saved {last_good}; exit "
+                     f"{cluster.PREEMPTED}: requeue with --resume=auto", cluster.PREEMPTED)
     if step % eval_interval == 0 or last_step:
         record.update(validate(eval_tokens))
         print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f} ({record['val_tokens']:,} tokens)")
@@ -268,11 +277,11 @@ while True:
     if last_step:  # the paper's final number, on more tokens than the in-training checks
         record.update({f"final_{k}": v for k, v in validate(final_eval_tokens).items()})
         print0(f"final val bpb ({record['final_val_tokens']:,} tokens): {record['final_val_bpb']:.4f}")
-    if last_step:
         break
 
+    # Forward and backward: each micro-batch's loss / grad_accum, so the gradients sum to the step's mean.
     t0 = time.time()
-    train_loss = torch.zeros((), device=device)
+    train_loss = torch.zeros((), device=device)  # summed on the device: no sync per micro-batch
     K = sample_loops(loops_sampler, step, seed, loops, loops_min, loops_max)  # the same on every rank
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
         x, y = next(loader)
@@ -281,36 +290,42 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The loss and the largest residual norm, summed over ranks (a non-finite value anywhere stays
-    # non-finite), so every rank takes the same decision below. An overflowed stream can still
-    # give a finite, useless loss, hence the residual norm.
-    # Summed with them: whether any rank was signalled, or its clock says a checkpoint is due.
+    # Every rank must take the same decisions below (stop, save, diverge): one all-reduce sums what
+    # they depend on, the loss, the largest residual norm (an overflowed stream can give a finite,
+    # useless loss; a non-finite value anywhere stays so), and whether any rank was signalled or is due to save.
     flags = torch.tensor([preemption.requested, clock.due()], dtype=train_loss.dtype, device=device)
     stats = torch.cat([torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)]), flags])
-    if ddp:
+    if world_size > 1:
         dist.all_reduce(stats)
-    train_loss, resid, preempted, save_due = stats[0].item() / world_size, stats[1].item(), *(stats[2:] > 0).tolist()
+    stats = stats.tolist()  # one device-to-host copy for the four numbers
+    train_loss = stats[0] / world_size
+    resid = stats[1]
+    preempted = stats[2] > 0
+    save_due = stats[3] > 0
     if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
         record.update(diagnostics.clipped_norms(model, watched, grad_clip))
     norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
     total_norm = math.sqrt(sum(norms.values()))
     if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves
         log.write({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
-        stop(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
-             f"stopped before the optimizer step, so the parameters were not updated. Last good "
-             f"checkpoint: {last_good or 'none yet'}", 1)
-    record.update(diagnostics.module_norms(norms, watched))
-    record["grad_norm"] = total_norm
-    clip = clip_coefficient(total_norm, grad_clip)  # of the rank-averaged gradient
+        fail(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
+             f"stopped before the optimizer step, so the parameters were not updated", 1)
+    record.update(diagnostics.module_norms(norms, watched), grad_norm=total_norm)
+
+    # The optimizer step. Clipping scales the rank-averaged gradient (the optimizers apply it);
+    # the schedules are functions of the step alone, so a resumed run continues them exactly.
+    clip = clip_coefficient(total_norm, grad_clip)
     lrm = lr_multiplier(step, num_steps, warmdown_frac)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
-    for group in optimizers[1].param_groups:
+    for group in muon.param_groups:  # Muon's momentum warms up from 0.85 to 0.95
         group["momentum"] = muon_momentum(step, momentum_warmup_steps)
     for opt in optimizers:
         opt.step(grad_scale=clip)
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # None, not zeros: frees the memory until the next backward
+
+    # Logging. Wait for the GPU first, or the time would measure only how fast work was queued.
     if cuda:
         torch.cuda.synchronize()
     dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
@@ -329,10 +344,7 @@ while True:
     monitor = diagnostics.divergence(monitor, record["loss"], divergence_nats)
     if divergence_window and monitor["above"] >= divergence_window:
         log.write({"step": step, "diverged": True, "loss": record["loss"]})
-        stop(f"step {step}: diverged: the smoothed loss {monitor['ema']:.3f} has been more than "
-             f"divergence_nats={divergence_nats} above its minimum {monitor['best']:.3f} for "
-             f"{monitor['above']} steps (divergence_window={divergence_window}). Last good checkpoint: "
-             f"{last_good or 'none yet'}", 3)
+        fail(diagnostics.diverged(step, monitor, divergence_nats, divergence_window), 3)
     step += 1
 
 log.write(record)

@@ -203,6 +203,38 @@ def load_optimizer(opt, states):
                          "world_size": opt.world_size, "rank": opt.rank})
 
 
+def rank_state(optimizers, loader, monitor, cuda):
+    """What one rank saves beside the model (its rank<r>.pt): its optimizers' states, in the order
+    given, its loader's position, its RNG states (CUDA's if cuda) and the divergence monitor."""
+    return dict(optimizers=[o.state_dict() for o in optimizers], loader=loader.state_dict(),
+                rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None, monitor=monitor)
+
+
+def restore_rank_state(states, optimizers, rank, cuda):
+    """Continue from load_rank_states' states (this rank's own, or every saved rank's): the optimizers
+    (in rank_state's order, resharded if need be) and this rank's RNG states are loaded; returns
+    (every state's loader position, for data.DataLoader, this rank's divergence monitor)."""
+    for i, opt in enumerate(optimizers):
+        load_optimizer(opt, [s["optimizers"][i] for s in states])
+    own = states[rank % len(states)]
+    torch.set_rng_state(own["rng"].cpu())
+    if cuda and own["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(own["cuda_rng"].cpu())
+    return [s["loader"] for s in states], own["monitor"]
+
+
+def resharded(path, step, saved_world, world_size, skipped_documents, log=print):
+    """None if the checkpoint at path was saved by world_size ranks; else, said through log, the record
+    train.py logs when another number of ranks resumes it: the optimizer state is resharded exactly
+    (load_optimizer), the data skips the documents no rank had reached (data.DataLoader)."""
+    if saved_world == world_size:
+        return None
+    log(f"{saved_world} ranks saved {path}, {world_size} resume it: the optimizer state is resharded "
+        f"exactly; the data continues after the furthest row group any rank had begun, skipping "
+        f"{skipped_documents:,} documents no rank had reached")
+    return {"step": step, "saved_world_size": saved_world, "skipped_documents": skipped_documents}
+
+
 def set_aside_newer(out_dir, step, log=print):
     """Rename the checkpoints newer than `step` (those load_newest skipped as unreadable) to
     <name>.unreadable: they must not outrank the ones a resumed run writes."""
@@ -258,8 +290,7 @@ WRITTEN, NO_SPACE, DISK_FULL, FAILED = range(4)
 PUBLISH = "rename it into place or prune the older checkpoints"
 
 
-def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=None, keep=2, keep_every=0,
-         files=None):
+def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_every=0, files=None):
     """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
     prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer).
     Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one.
@@ -270,8 +301,7 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, barrier=None, ke
     not, rank 0 removes tmp_step_N and every rank raises: a DiskSpaceError (an OSError) naming the
     path, the bytes needed and free, with the same message on every rank, when a disk was too full;
     else the failing rank its own error and the others a RuntimeError naming it. Either way nothing
-    of step N is kept and the earlier checkpoints are untouched (not pruned, not renamed).
-    barrier: unused (the agreements synchronise the ranks); accepted for callers that pass it."""
+    of step N is kept and the earlier checkpoints are untouched (not pruned, not renamed)."""
     state = model.state_dict()
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
@@ -394,6 +424,12 @@ def prepare_out_dir(out_dir, resume, overwrite):
     for name in os.listdir(out_dir):  # half-written checkpoints of a killed run
         if name.startswith("tmp_step_"):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def claim_out_dir(out_dir, resume, overwrite):
+    """prepare_out_dir, then lock_out_dir: returns the lock, to be kept while the run lives."""
+    prepare_out_dir(out_dir, resume, overwrite)
+    return lock_out_dir(out_dir)
 
 
 def lock_out_dir(out_dir):

@@ -56,6 +56,13 @@ def divergence(monitor, loss, nats):
     return {"ema": ema, "best": best, "above": monitor["above"] + 1 if ema > best + nats else 0}
 
 
+def diverged(step, monitor, nats, window):
+    """Why divergence stopped the run at step (train.py's divergence_nats and divergence_window)."""
+    return (f"step {step}: diverged: the smoothed loss {monitor['ema']:.3f} has been more than divergence_nats="
+            f"{nats} above its minimum {monitor['best']:.3f} for {monitor['above']} steps "
+            f"(divergence_window={window})")
+
+
 class Log:
     """out_dir/settings.json (written at once) and out_dir/log.jsonl (appended, one JSON line per
     record, flushed); out_dir None (ranks other than 0) writes nothing. A tracker (tracking.Tracker)

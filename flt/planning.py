@@ -2,7 +2,8 @@
 
 What a run will cost before it starts (the memory estimate, accelerators' peak FLOP/s, the
 --dry_run plan), and train.py's settings checks (values, settings that would do nothing, what a
-resumed run may change, the run directory's name, the horizon).
+resumed run may change, the run directory's name, whether the batch splits into forwards). The recipe's
+arithmetic (the model's shape, gradient accumulation, the horizon) is train.py's own: it passes the results here.
 """
 import math
 import os
@@ -14,7 +15,6 @@ from flt import checkpoint
 from flt import corpus
 import data
 from flt import tracking
-from model import GPT, config_for_depth
 from optim import LOOP_SAMPLERS
 from flt.runtime import dtype_bytes, resolve_dtype
 
@@ -172,37 +172,12 @@ def run_dir(s):
     return os.path.join(s["out_root"], f"{size}_{s['variant'].lower()}_k{s['loops']}{attention}")
 
 
-def model_config(s, vocab_size):
-    """The GPTConfig of the settings (config_for_depth: the paper's shape from depth)."""
-    return config_for_depth(s["depth"], sequence_len=s["sequence_len"], vocab_size=vocab_size, loops=s["loops"],
-                            variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
-                            window_pattern=s["window_pattern"], loss_all_loops=s["loss_all_loops"],
-                            checkpoint_loops=s["checkpoint_loops"],
-                            **({} if s["n_kv_head"] == -1 else {"n_kv_head": s["n_kv_head"]}))
-
-
-def size_and_horizon(s, config):
-    """(the model on the meta device, {"all", "non_embedding"} parameter counts, num_steps): the paper's
-    horizon, tokens = 20 x parameters, counting all of them as the authors' code does or, with
-    horizon_params, only those outside the token embedding as the appendix says (docs/recipe.md)."""
-    with torch.device("meta"):  # counts and estimates without spending memory
-        model = GPT(config)
-    n_params = model.num_params()
-    horizon = {"all": n_params, "non_embedding": n_params - config.padded_vocab * config.n_embd}
-    steps = s["num_steps"]
-    if steps == -1:
-        steps = max(1, 20 * horizon[s["horizon_params"]] // s["total_batch_size"])
-    return model, horizon, steps
-
-
-def grad_accum(s, world_size):
-    """Forwards per rank and optimizer step: total_batch_size in forwards of device_batch_size sequences
-    on every rank; a ValueError unless they divide it."""
-    tokens_per_fwd = s["device_batch_size"] * s["sequence_len"] * world_size
-    if s["total_batch_size"] % tokens_per_fwd:
-        raise ValueError(f"total_batch_size={s['total_batch_size']} is not a multiple of device_batch_size * "
-                         f"sequence_len * world_size = {tokens_per_fwd}")
-    return s["total_batch_size"] // tokens_per_fwd
+def check_grad_accum(total_batch_size, tokens_per_fwdbwd):
+    """A ValueError unless train.py's total_batch_size is a whole number of forwards of device_batch_size
+    sequences on every rank (tokens_per_fwdbwd tokens)."""
+    if total_batch_size % tokens_per_fwdbwd:
+        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of device_batch_size * "
+                         f"sequence_len * world_size = {tokens_per_fwdbwd}")
 
 
 def training_shards(s, tokens):
@@ -215,18 +190,22 @@ def training_shards(s, tokens):
     return n
 
 
-def plan(s, world_size=1):
-    """--dry_run: what the run costs, from the settings alone (nothing is downloaded or trained), as
-    text: size, horizon, FLOPs, data, memory per GPU and hours on world_size GPUs (one process: 8)."""
+def planned_vocab(s):
+    """The vocabulary's size from the settings alone, for --dry_run: nothing is downloaded or trained."""
     tokenizer = s["tokenizer"]
     if tokenizer == "bpe" or os.path.isfile(tokenizer):
-        vocab = s["bpe_vocab_size"] if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
-    elif "qwen3" in tokenizer.lower():
-        vocab = data.QWEN3_VOCAB
-    else:
-        raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
-    config = model_config(s, vocab)
-    model, horizon, steps = size_and_horizon(s, config)
+        return s["bpe_vocab_size"] if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
+    if "qwen3" in tokenizer.lower():
+        return data.QWEN3_VOCAB
+    raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
+
+
+def plan(s, model, params, horizon_tokens, steps, world_size=1):
+    """--dry_run: what the run costs, as text: size, horizon, FLOPs, data, memory per GPU and hours on
+    world_size GPUs (one process: 8). train.py computes the rest from the settings alone (nothing is
+    downloaded or trained): the model (on the meta device will do), its parameter counts and each
+    count's horizon ({"all", "non_embedding"}), and the steps it will train."""
+    config = model.config
     batch, other = s["total_batch_size"], "non_embedding" if s["horizon_params"] == "all" else "all"
     tokens, gpus = steps * batch, world_size if world_size > 1 else 8
     name = s["gpu"] or (torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
@@ -239,11 +218,11 @@ def plan(s, world_size=1):
     peak = peak_flops(name)
     hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
     return (f"run plan for {s['out_dir']} (nothing downloaded or trained)\n"
-            f"  model       {config.variant}, K={config.loops}, depth {s['depth']}, vocab {vocab:,} (padded "
-            f"{config.padded_vocab:,})\n"
-            f"  parameters  {horizon['all']:,} all, {horizon['non_embedding']:,} without the token embedding\n"
+            f"  model       {config.variant}, K={config.loops}, depth {s['depth']}, vocab {config.vocab_size:,} "
+            f"(padded {config.padded_vocab:,})\n"
+            f"  parameters  {params['all']:,} all, {params['non_embedding']:,} without the token embedding\n"
             f"  horizon     {steps:,} steps x {batch:,} tokens = {tokens:.3e} tokens "
-            f"(horizon_params={s['horizon_params']!r}; the other count: {20 * horizon[other] // batch:,} steps)\n"
+            f"(horizon_params={s['horizon_params']!r}; the other count: {horizon_tokens[other] // batch:,} steps)\n"
             f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
             f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
                                  f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "

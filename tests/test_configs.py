@@ -11,10 +11,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import data
 from flt import planning
 from configurator import configure, settings_of
+from model import GPT, config_for_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
@@ -52,15 +54,33 @@ def vocab(s):
     return data.QWEN3_VOCAB if "qwen3" in s["tokenizer"].lower() else s["bpe_vocab_size"]
 
 
+# train.py's recipe arithmetic, written again from the paper for the tests (train.py's own is inline in
+# the script; the dry-run tests of test_train.py and test_planning.py check it against the same numbers).
+def model_config(s, vocab_size):
+    """The GPTConfig of the settings: the paper's shape from depth (model.config_for_depth)."""
+    return config_for_depth(s["depth"], sequence_len=s["sequence_len"], vocab_size=vocab_size, loops=s["loops"],
+                            variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
+                            window_pattern=s["window_pattern"], loss_all_loops=s["loss_all_loops"],
+                            checkpoint_loops=s["checkpoint_loops"],
+                            **({} if s["n_kv_head"] == -1 else {"n_kv_head": s["n_kv_head"]}))
+
+
+def grad_accum(s, world_size):
+    """Forwards per rank and optimizer step; planning.check_grad_accum's ValueError unless they divide."""
+    tokens_per_fwdbwd = s["device_batch_size"] * s["sequence_len"] * world_size
+    planning.check_grad_accum(s["total_batch_size"], tokens_per_fwdbwd)
+    return s["total_batch_size"] // tokens_per_fwdbwd
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("flags", [["--variant=LT", "--loops=3"], ["--loops=12", "--n_kv_head=1"],
                                    ["--variant=LT_ai", "--loops=9", "--attn=mla"],
                                    ["--variant=FLT_res", "--loops=6", "--window_pattern=SSSL"]])
 def test_config_applies_with_any_variant_and_attention(name, flags, monkeypatch):
     s = apply([f"config/{name}", *flags], monkeypatch)
-    planning.model_config(s, vocab(s))  # validates the model settings
+    model_config(s, vocab(s))  # validates the model settings
     for world_size in (1, 8) if s["dataset"] == "fineweb" else (1,):
-        planning.grad_accum(s, world_size)
+        grad_accum(s, world_size)
 
 
 # ----------------------------------------------------------------------------- the documented commands
@@ -119,9 +139,9 @@ def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
                 continue
             if name == "train.py":
                 s = apply(args, monkeypatch)
-                planning.model_config(s, vocab(s))
+                model_config(s, vocab(s))
                 # the batch splits over this command's processes, or the GPUs of a paper run (one node of 8)
-                planning.grad_accum(s, nproc if s["dataset"] == "embedded" or nproc > 1 else 8)
+                grad_accum(s, nproc if s["dataset"] == "embedded" or nproc > 1 else 8)
                 runs.add(s["out_dir"])
             elif name in ("eval.py", "scripts/plot.py"):  # it reads the runs trained above (globs aside)
                 paths = {a for a in args if a.startswith("out/") and not set(a) & set("*[")}
@@ -146,11 +166,9 @@ def test_each_config_has_the_size_and_horizon_it_states(name, monkeypatch):
     V = -(-vocab(s) // 64) * 64
     d, L = 64 * s["depth"], s["depth"]
     n_all = 2 * V * d + 12 * L * d * d
-    config = planning.model_config(s, vocab(s))
-    _, horizon, steps = planning.size_and_horizon(s, config)
-    assert horizon == {"all": n_all, "non_embedding": n_all - V * d}
-    if s["num_steps"] == -1:
-        assert steps == 20 * n_all // s["total_batch_size"]
+    config = model_config(s, vocab(s))
+    with torch.device("meta"):
+        assert GPT(config).num_params() == n_all
     if size := SIZE.search(header):
         depth, d_model, heads, millions = size.groups()
         assert (int(depth), int(d_model)) == (s["depth"], d) == (config.n_layer, config.n_embd)
@@ -163,13 +181,13 @@ def test_the_recipes_horizons_by_hand(monkeypatch):
     V = 151680
     for name, d, L, want in (("small.py", 384, 6, 4848), ("base.py", 768, 12, 12127)):
         s = apply([f"config/{name}"], monkeypatch)
-        assert planning.size_and_horizon(s, planning.model_config(s, vocab(s)))[2] == want
+        assert (s["num_steps"], s["horizon_params"], s["total_batch_size"]) == (-1, "all", 2**19)  # the horizon
         assert 20 * (2 * V * d + 12 * L * d * d) // 2**19 == want
-        assert planning.grad_accum(s, 8) == 8  # device_batch_size 8 x 1024 tokens x 8 GPUs x 8 forwards
+        assert grad_accum(s, 8) == 8  # device_batch_size 8 x 1024 tokens x 8 GPUs x 8 forwards
     # cpu_diag: "400 steps of 1024 tokens", "one forward of 8 sequences per step", evaluation in 8 forwards
     s = apply(["config/cpu_diag.py"], monkeypatch)
-    assert (planning.size_and_horizon(s, planning.model_config(s, vocab(s)))[2], s["total_batch_size"]) == (400, 1024)
-    assert planning.grad_accum(s, 1) == 1 and s["eval_tokens"] // (s["device_batch_size"] * s["sequence_len"]) == 8
+    assert (s["num_steps"], s["total_batch_size"]) == (400, 1024)
+    assert grad_accum(s, 1) == 1 and s["eval_tokens"] // (s["device_batch_size"] * s["sequence_len"]) == 8
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "scripts/bench.py"])

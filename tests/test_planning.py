@@ -4,6 +4,8 @@ horizon, batch split, shards, what a resume may change."""
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from model import GPT, GPTConfig, config_for_depth
 from optim import build_optimizers, reduce_gradients
 from flt.planning import PEAK_FLOPS, estimate_memory, peak_flops
 from flt.runtime import precision, resolve_dtype
-from test_configs import train_defaults
+from test_configs import ROOT, grad_accum, model_config, train_defaults
 
 
 def measured_peak(model, idx, loops, tmp_path):
@@ -141,8 +143,8 @@ def before_data(**changes):
     out_dir = planning.run_dir(s)
     runtime.setup(s["device"])
     resolve_dtype(s["dtype"], "cpu")
-    planning.grad_accum(s, 1)
-    planning.model_config(s, s["bpe_vocab_size"])
+    grad_accum(s, 1)
+    model_config(s, s["bpe_vocab_size"])
     return out_dir
 
 
@@ -223,25 +225,32 @@ def test_run_dir_is_named_by_what_makes_the_run_different(changes, path):
     assert planning.run_dir(DEFAULTS | changes | {"out_dir": "mine"}) == "mine"
 
 
+def dry_run(*args):
+    """The lines of `python train.py <args> --dry_run`: train.py's own arithmetic, nothing trained."""
+    p = subprocess.run([sys.executable, "train.py", *args, "--dry_run"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
 def test_horizon_is_20_tokens_per_parameter():
     # depth 2: d = 128, L = 2; vocabulary 1000 padded to 1024; untied embedding and LM head, 12 d^2 a block
     d, L, V = 128, 2, 1024
     n_all, n_non_embedding = 2 * V * d + 12 * L * d * d, V * d + 12 * L * d * d
-    s = DEFAULTS | dict(depth=2, num_steps=-1, total_batch_size=4096)
-    model, horizon, steps = planning.size_and_horizon(s, planning.model_config(s, 1000))
-    assert horizon == {"all": n_all, "non_embedding": n_non_embedding} and model.num_params() == n_all
-    assert steps == 20 * n_all // 4096 == 3200
-    assert planning.size_and_horizon(s | {"horizon_params": "non_embedding"}, model.config)[2] == \
-        20 * n_non_embedding // 4096 == 2560
-    assert planning.size_and_horizon(s | {"total_batch_size": 2**30}, model.config)[2] == 1  # at least a step
-    assert planning.size_and_horizon(s | {"num_steps": 7}, model.config)[2] == 7
+    lines = dry_run("--depth=2", "--bpe_vocab_size=1000", "--num_steps=-1", "--total_batch_size=4096")
+    assert lines[2] == f"  parameters  {n_all:,} all, {n_non_embedding:,} without the token embedding"
+    assert 20 * n_all // 4096 == 3200 and 20 * n_non_embedding // 4096 == 2560
+    assert lines[3].startswith("  horizon     3,200 steps x 4,096 tokens") and "the other count: 2,560 steps" in lines[3]
+    lines = dry_run("--depth=2", "--num_steps=-1", "--horizon_params=non_embedding", f"--total_batch_size={2**30}")
+    assert lines[3].startswith("  horizon     1 steps x")  # at least a step
+    assert dry_run("--depth=2")[3].startswith("  horizon     250 steps x")  # num_steps, when given
 
 
 def test_grad_accum_splits_the_batch_over_ranks_and_forwards():
     s = DEFAULTS | dict(total_batch_size=2**19, device_batch_size=8, sequence_len=1024)
-    assert [planning.grad_accum(s, w) for w in (1, 2, 8, 64)] == [64, 32, 8, 1]
+    assert [grad_accum(s, w) for w in (1, 2, 8, 64)] == [64, 32, 8, 1]
     with pytest.raises(ValueError, match=r"total_batch_size=524288 is not a multiple .* = 1048576"):
-        planning.grad_accum(s, 128)
+        planning.check_grad_accum(2**19, 8 * 1024 * 128)
 
 
 def test_training_shards_cover_the_horizon(capsys):
@@ -268,6 +277,9 @@ def test_resume_may_change_only_the_resumable_settings():
 
 def test_plan_names_what_it_cannot_count():
     with pytest.raises(ValueError, match="tokenizer='gpt2' is not a local file"):
-        planning.plan(DEFAULTS | dict(tokenizer="gpt2", out_dir="o"))
-    text = planning.plan(DEFAULTS | dict(out_dir="o", gpu="TPU v9", dry_run=True))
+        planning.planned_vocab(DEFAULTS | dict(tokenizer="gpt2"))
+    s = DEFAULTS | dict(out_dir="o", gpu="TPU v9", dry_run=True)
+    with torch.device("meta"):
+        model = GPT(model_config(s, planning.planned_vocab(s)))
+    text = planning.plan(s, model, {"all": 1, "non_embedding": 1}, {"all": 20, "non_embedding": 20}, 250)
     assert "unknown accelerator 'TPU v9'" in text and "the embedded corpus" in text
