@@ -1,16 +1,14 @@
 """
 Evaluate one looped checkpoint at several loop budgets K: a row of the paper's Table 1 per K.
 
-    python eval.py out/flt_base --modes=bpb,wiki,core,sample --loops=1,3,6,9,12
-    python eval.py out/flt_base --modes=bpb,exit --loops=1,2,4,6,8 --exit_thresholds=0.3,0.1,0.03,0.01
-    torchrun --nproc_per_node=8 eval.py out/flt_base/step_004000 --max_per_task=500
+    python eval.py out/base_flt_k9 --modes=bpb,wiki,core,sample --loops=1,3,6,9,12
+    python eval.py out/base_flt_k9 --modes=bpb,exit --loops=1,2,4,6,8 --exit_thresholds=0.3,0.1,0.03,0.01
+    torchrun --nproc_per_node=8 eval.py out/base_flt_k9/step_004000 --max_per_task=500
 
-The argument is a run's out_dir (its newest step_* is used) or a step directory, read with the
-tokenizer.json saved beside the weights. Results go to <step dir>/eval.json (setting `out`), a
-markdown table to eval.md beside it. eval.py first prints its plan (one line per mode: what it
-scores, the forward passes, then a time estimate from the first forwards), then runs each mode
-with progress lines. A mode that cannot run (no network for a download) is reported and the
-others still run; eval.json keeps what was computed, and the exit status is non-zero.
+The argument is a run's out_dir (its newest step_*), a step directory or an exported Hugging Face folder.
+Results go to <step dir>/eval.json (setting `out`) and a table to eval.md beside it. Each mode is planned
+first, then run with progress lines; one that cannot run (offline) leaves the others running, eval.json
+keeps what was computed, and the exit status is non-zero (docs/evaluation.md).
 
 Budget sweep (the paper's Fig. 6): every loop's output h(t) is a valid prediction point, so ONE forward at
 max(loops) yields each requested K's logits as head(h(K)); every metric goes through `loop_losses`.
@@ -29,10 +27,9 @@ batch_size and the number of processes change the speed, not the tokens.
 - exit (depth per token, beyond the paper): val bpb on the bpb mode's tokens with the KL exit rule
   at most max(loops) loops, and the mean loops per scored token, per threshold; stored under
   K = max(loops) as "exit". One forward per threshold: where a token exits changes later ones.
-- WikiText-2 perplexity (scripts/wiki_ppl.py and their wiki loader): the wikitext-2-v1 TEST split,
-  BOS before every row (empty ones too), one stream, chunks of protocol_batch * seq_len + 1
-  tokens at a stride of protocol_batch * seq_len (rows of seq_len inputs, targets shifted by one),
-  the tokens after the last whole chunk dropped: every token after the first is a target once.
+- WikiText-2 perplexity (scripts/wiki_ppl.py and their wiki loader): wikitext-2-v1 TEST, BOS before
+  every row (empty ones too), one stream in chunks of protocol_batch * seq_len + 1 tokens at a stride
+  of protocol_batch * seq_len, the rest dropped: every token after the first is a target once.
 - CORE (DCLM; nanochat/core_eval.py): example by example. Each core.yaml task with its first
   num_fewshot and continuation_delimiter (default " "); items shuffled with random.Random(1337),
   then cut to the first max_per_task if > 0. Item idx's shots: random.Random(1234 + idx) draws
@@ -69,17 +66,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from flt import corpus
-from flt.corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 import data
-from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
 from configurator import settings_of
+from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
+from flt import corpus, report, runtime, tracking
 from flt.checkpoint import load_model
-from model import ROPE_SPAN
-from flt import report
-from flt import runtime
+from flt.corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 from flt.runtime import print0
-from flt import tracking
+from model import ROPE_SPAN
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
@@ -119,12 +113,10 @@ def token_losses(logits, targets):
 
 @torch.no_grad()
 def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
-    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K. The LM head runs where a
-    target is scored only: targets of -1 get loss 0 and argmax -1 (a CORE prompt's span is a few of
-    its tokens, and each K needs a head of its own). Run it in the model's precision context
-    (runtime.precision), as main() and train.py do.
-    exit_threshold: with the KL exit rule (model.ExitRule), h(K) of that forward is the rule's at
-    budget K too, since the rule at loop t reads only loops <= t."""
+    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K, in the model's precision
+    context (runtime.precision). The LM head runs on scored targets only (targets of -1: loss 0, argmax
+    -1): a CORE prompt's span is a few of its tokens. exit_threshold: the KL exit rule (model.ExitRule),
+    whose h(K) at budget K is that forward's too, since the rule at loop t reads only loops <= t."""
     hs = model.loop_states(idx, max(loops_list), exit_threshold=exit_threshold).states
     scored, result = targets >= 0, {}
     for K in loops_list:  # the head, one K at a time: (scored targets, vocab) logits are the big tensor
@@ -141,9 +133,8 @@ def sweep(model, loops_list):
 
 
 def loss_sums(model, batches, per_token, width, weights, progress=None):
-    """For each of `weights` (functions of the targets y): the sums of the `width` per-token values
-    per_token(x, y) returns ((B, T) tensors, e.g. sweep's) over the targets with weight > 0, then the
-    sum of the weights; over all batches and ranks."""
+    """For each of `weights` (functions of the targets y), over all batches and ranks: the sums of the `width`
+    (B, T) values per_token(x, y) returns (e.g. sweep's) over the targets of weight > 0, then the weights' sum."""
     sums = torch.zeros(len(weights), width + 1, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         x, y = x.to(sums.device), y.to(sums.device)
@@ -162,9 +153,8 @@ def byte_counts(token_bytes, y):
 
 
 def evaluate_bpb(model, batches, tables, loops_list, progress=None):
-    """({count: {K: bits per byte}}, targets scored) over a finite iterable of (x, y) batches, for
-    each byte table of `tables` ({count name: (vocab,) bytes of each id, 0 for special tokens}).
-    Sums are all-reduced: under torchrun each rank passes its own share of the batches."""
+    """({count: {K: bits per byte}}, targets scored) over (x, y) batches, for each byte table of `tables`
+    ({name: (vocab,) bytes of each id}); all-reduced: under torchrun each rank passes its own share."""
     weights = [lambda y, t=t: byte_counts(t, y) for t in tables.values()] + [lambda y: (y >= 0).long()]
     *per_count, (*_, n_tokens) = loss_sums(model, batches, sweep(model, loops_list), len(loops_list), weights,
                                            progress)
@@ -257,10 +247,9 @@ def longest_input(model):
 
 
 def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_threshold=None):
-    """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
-    for [(tokens, s)], sorted by length to limit padding, batch_size sequences per forward; a long
-    prompt shares its forward with fewer, so a forward holds at most batch_size * sequence_len.
-    exit_threshold: scored with the KL exit rule (loop_losses)."""
+    """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))} for
+    [(tokens, s)], sorted by length, batch_size sequences per forward but never more than batch_size *
+    sequence_len tokens. exit_threshold: scored with the KL exit rule (loop_losses)."""
     device = next(model.parameters()).device
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}
@@ -291,8 +280,7 @@ def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_thr
 
 
 def item_correct(model, tokenizer, task, items, idxs, loops_list, batch_size, log=None):
-    """{K: [whether item idx is answered right, for idx in idxs]} by nanochat's decision rules;
-    progress lines through log, if given."""
+    """{K: [item idx answered right, for idx in idxs]} by nanochat's decision rules; progress via log."""
     seqs = [task_sequences(tokenizer, task, items, i, longest_input(model)) for i in idxs]
     flat = [s for item in seqs for s in item]
     progress = log and corpus.Progress(f"CORE {task['label']}", len(flat), "sequences", log=log)
@@ -322,6 +310,7 @@ def evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task=-
 
 
 def centered(accuracy, baseline_percent):
+    """(a - r) / (1 - r): 0 at the task's random baseline r, 1 when every item is right."""
     r = baseline_percent / 100
     return (accuracy - r) / (1 - r)
 
@@ -349,8 +338,7 @@ def progress_of(ctx, label, total, unit="forwards"):
 
 
 def validation(c, ctx):
-    """The validation batches of the bpb and exit modes, built once: the authors' chunks (module
-    docstring), this process's share, regrouped into batches of batch_size rows."""
+    """The bpb and exit modes' batches, built once: this process's share of the authors' chunks."""
     if ctx.val is None:
         files = c.val_files.split(",") if c.val_files else [
             runtime.rank0_first(ctx.rt, lambda: corpus.val_shard(ctx.settings, ctx.data_dir))]
@@ -450,9 +438,8 @@ PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample
 
 @torch.no_grad()
 def estimate(c, ctx, planned):
-    """Seconds each planned mode should take: its forwards times those of the first forwards at
-    max(loops) on a batch_size x sequence_len batch (one warm-up, then one timed), or, for the
-    sample mode, times those of a decoding step (4 tokens timed)."""
+    """Seconds each planned mode should take: its forwards times one timed forward at max(loops) on a
+    batch_size x sequence_len batch (after a warm-up), or a decoding step's (4 tokens) for samples."""
     K_max, x = ctx.loops[-1], torch.zeros(c.batch_size, ctx.seq_len, dtype=torch.long, device=ctx.dev)
     with ctx.numerics:
         forward = report.seconds(lambda: loop_losses(ctx.model, x, x, [K_max]), warmup=1)
