@@ -1,6 +1,6 @@
 """Every file in config/ applies cleanly to train.py's real settings (so renaming a setting breaks
-CI), and every train.py command that the configs and the README show runs what they claim: it
-passes train.py's checks, names the run directory that eval.py and plot.py are then given, splits
+CI), and every train.py command that the configs, the README and docs/ show runs what they claim: it
+passes train.py's checks, names the run directory that eval.py and scripts.plot are then given, splits
 its batch over the GPUs it runs on, and has the size and horizon its config's comment states.
 Nothing is trained."""
 import ast
