@@ -37,7 +37,8 @@ def free_port():
 # Each rank writes its pid, and its steps are slowed, so the test can signal a rank mid-run; rank 1
 # also signals itself again whenever it writes a checkpoint file (a second signal during the save).
 SLOW = textwrap.dedent("""
-    import os, signal, time, checkpoint, data
+    import os, signal, time, data
+    from flt import checkpoint
     rank = os.environ.get("RANK", "0")
     open(os.path.join(os.environ["PID_DIR"], "pid" + rank), "w").write(str(os.getpid()))
     nxt, write = data.DataLoader.__next__, checkpoint._save
@@ -109,7 +110,8 @@ def test_resume_auto_starts_fresh_or_continues(tmp_path, data_dir):
 
 
 SAVES = textwrap.dedent("""
-    import os, checkpoint
+    import os
+    from flt import checkpoint
     save = checkpoint.save
     def counted(out_dir, step, *args, **kwargs):
         with open(os.path.join(os.environ["PID_DIR"], "saves"), "a") as f:
@@ -185,7 +187,8 @@ def test_world_size_2_then_1_then_2(tmp_path, data_dir):
 
 # The disk of out_dir is full once the first checkpoint is in (runtime.free_bytes: the one reading of it).
 FULL_AFTER_FIRST = textwrap.dedent("""
-    import glob, os, runtime
+    import glob, os
+    from flt import runtime
     free = runtime.free_bytes
     def full(path):
         return 1000 if glob.glob(os.path.join(os.environ["OUT"], "step_*")) and os.environ["OUT"] in os.path.abspath(path) else free(path)

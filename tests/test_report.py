@@ -39,7 +39,7 @@ def test_metric_reads_results_and_task_accuracies():
 
 
 def test_imports_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import report, plot; print('ok')"
+    code = "import sys; sys.modules['torch'] = None; from flt import report; from scripts import plot; print('ok')"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert p.stdout == "ok\n", p.stderr
