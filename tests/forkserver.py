@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,22 +56,27 @@ atexit.register(shutil.rmtree, _outputs, True)
 
 
 def _start():
-    global _server
+    global _server, _pending
     if _server is None or _server.poll() is not None:
         env = dict(os.environ, OMP_NUM_THREADS="1", FORKSERVER_ROOT=ROOT)
-        _server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, bufsize=1)
+        _server, _pending = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, bufsize=0), b""
         atexit.register(_server.kill)
     return _server
 
 
 def _reply(server, timeout):
-    ready, _, _ = select.select([server.stdout], [], [], timeout)
-    if not ready:
-        return None
-    line = server.stdout.readline()
-    if not line:
-        raise RuntimeError("the fork server died")
+    """The server's next JSON line, or None if none came within timeout seconds."""
+    global _pending
+    end = time.monotonic() + timeout
+    while b"\n" not in _pending:
+        if not select.select([server.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
+            return None
+        chunk = os.read(server.stdout.fileno(), 65536)
+        if not chunk:
+            raise RuntimeError("the fork server died")
+        _pending += chunk
+    line, _pending = _pending.split(b"\n", 1)
     return json.loads(line)
 
 
@@ -85,8 +91,8 @@ def run(argv, cwd, env, timeout=300):
         open(path, "w").close()
     server = _start()
     server.stdin.write(json.dumps({"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env,
-                                   "stdout": out, "stderr": err}) + "\n")
-    pid = _reply(server, 60)["pid"]
+                                   "stdout": out, "stderr": err}).encode() + b"\n")
+    pid = _reply(server, 300)["pid"]  # the first run waits for the server's imports
     done = _reply(server, timeout)
     if done is None:
         os.kill(pid, signal.SIGKILL)
