@@ -1,8 +1,11 @@
 """Shared fixtures: the embedded corpus, built once; train.py's data_dir; a local HTTP server on
-127.0.0.1 (never the internet) with Range support and scripted failures."""
+127.0.0.1 (never the internet) with Range support and scripted failures. And the run's settings:
+one inductor cache for all its processes, new each run; one torch thread per pytest-xdist worker."""
 import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +14,23 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tutorial files, flt/, scripts/
 from flt import corpus  # noqa: E402
+
+
+def pytest_configure(config):
+    # torch.compile's cache for this run's processes (xdist workers inherit the variable, and so do the
+    # ranks they start), new each run: a compile test costs here what it costs a fresh CI machine.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        config.inductor_cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2` on 2 cores: one thread each, or they fight for both
+        import torch
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "inductor_cache", None):
+        shutil.rmtree(config.inductor_cache, ignore_errors=True)
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 @pytest.fixture(scope="session")

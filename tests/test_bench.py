@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
+from test_train import python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--sequence_len=32", "--batch_size=2", "--loops=2"]
 RATIO = re.compile(r"(.+?) +([\d.]+) ms / +([\d.]+) ms = +([\d.]+)  \(target (.+)\)")
 
 
 def bench(*args):
-    p = subprocess.run([sys.executable, "-m", "scripts.bench", *TINY, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = python("-m", "scripts.bench", *TINY, *args)
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
 

@@ -34,6 +34,7 @@ from flt import checkpoint  # noqa: E402
 import eval as evaluation  # noqa: E402
 from scripts import lm_eval_flt  # noqa: E402
 from test_eval import one_thread, randomize_  # noqa: E402, F401 (one_thread: test_eval's autouse fixture)
+from test_train import python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "lm_eval_tasks")
@@ -53,9 +54,7 @@ def quiet(*args, **kwargs):
 def run(tmp_path_factory):
     """A run directory of train.py: depth 1, sequence_len 32, K=3, a 512-id BPE, 4 steps."""
     tmp = tmp_path_factory.mktemp("lm_eval")
-    p = subprocess.run([sys.executable, "train.py", *TRAIN, f"--out_dir={tmp / 'run'}", f"--data_dir={tmp / 'data'}"],
-                       cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True,
-                       text=True, timeout=300)
+    p = python("train.py", *TRAIN, f"--out_dir={tmp / 'run'}", f"--data_dir={tmp / 'data'}")
     assert p.returncode == 0, p.stdout + p.stderr
     return str(tmp / "run")
 
@@ -230,8 +229,7 @@ def test_command_prints_one_table_and_writes_one_json(run, tmp_path):
     out = tmp_path / "results.json"
     args = ["--run", run, "--tasks", "flt_mc,flt_gen,flt_ppl", "--loops", "3,1", "--batch_size", "4", "--device", "cpu",
             "--include_path", TASKS, "--limit", "4", "--gen_kwargs", "max_gen_toks=2", "--output_path", str(out)]
-    p = subprocess.run([sys.executable, "-m", "scripts.lm_eval_flt", *args], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=300)
+    p = python("-m", "scripts.lm_eval_flt", *args)
     assert p.returncode == 0, p.stdout + p.stderr
     record = json.loads(out.read_text())
     assert list(record["results"]) == ["1", "3"] and record["checkpoint"].endswith("step_000004")

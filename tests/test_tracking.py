@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from test_train import ROOT, losses, runner, train
+from test_train import ROOT, losses, python, runner, train
 from flt import tracking
 
 wandb = pytest.importorskip("wandb")  # optional for users; .ci/run installs requirements/wandb.txt
@@ -87,8 +87,7 @@ def test_train_logs_its_records_and_settings_and_a_resume_continues_the_run(tmp_
     assert resumed_id == run_id and config["num_steps"] == 6  # the same run, its config updated
     assert sorted(history) == [4, 5, 6] and history[6]["final_val_bpb"] == losses(out)[1][-1]["final_val_bpb"]
 
-    p = subprocess.run([sys.executable, "eval.py", str(out), "--modes=bpb", "--loops=1,3", "--bpb_tokens=512",
-                        "--device=cpu", "--wandb=True"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = python("eval.py", str(out), "--modes=bpb", "--loops=1,3", "--bpb_tokens=512", "--device=cpu", "--wandb=True")
     assert p.returncode == 0, p.stderr
     eval_id, _, _, history, summary = offline_run(offline()[2])
     results = json.loads((out / "step_000006" / "eval.json").read_text())["results"]

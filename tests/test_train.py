@@ -1,6 +1,7 @@
 """train.py end to end on CPU, tiny shapes: the wiring of its settings checks, learning, exact
-resume, 2-process torchrun (gloo), and the NaN guard. Each run is a real subprocess (the settings
-checks themselves: tests/test_planning.py)."""
+resume, 2-process torchrun (gloo), and the NaN guard. Each run is a process of its own: torchrun's
+a real subprocess, the others forked from one that has imported torch (tests/forkserver.py) (the
+settings checks themselves: tests/test_planning.py)."""
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import pytest
 import tokenizers
 import torch
 
+import forkserver
 from configurator import configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,14 +26,24 @@ TINY = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4
         "--sample_tokens=8", "--momentum_warmup_steps=5"]
 
 
-def train(out_dir, data_dir, *args, script="train.py", nproc=1, check=True):
+def python(*argv, timeout=300):
+    """`python argv...` in ROOT with one torch thread, as a process forked from one that has already
+    imported torch (tests/forkserver.py): the same process boundary, seconds sooner."""
+    return forkserver.run(argv, ROOT, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def train(out_dir, data_dir, *args, script="train.py", nproc=1, check=True, torchrun=TORCHRUN):
     """train.py (or a runner script) with TINY + args; out_dir None: train.py derives it (out_root)."""
-    cmd = [sys.executable, script] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    out = [f"--out_dir={out_dir}"] if out_dir is not None else []
-    p = subprocess.run(cmd + TINY + out + [f"--data_dir={data_dir}", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    args = TINY + ([f"--out_dir={out_dir}"] if out_dir is not None else []) + [f"--data_dir={data_dir}", *args]
+    if nproc == 1:
+        p = python(script, *args)
+    else:
+        p = subprocess.run([*torchrun, "--standalone", f"--nproc_per_node={nproc}", script, *args], cwd=ROOT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True, text=True,
+                           timeout=300)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -246,8 +258,26 @@ def finished_run(tmp_path, data_dir, steps=6, *args):
     return out
 
 
-def test_resume_with_fewer_steps_stops_and_touches_nothing(tmp_path, data_dir):
-    out = finished_run(tmp_path, data_dir)
+@pytest.fixture(scope="module")
+def finished_once(tmp_path_factory, data_dir):
+    """finished_run's 6 steps, trained once per module and kept aside as a template."""
+    base = tmp_path_factory.mktemp("finished")
+    os.rename(finished_run(base, data_dir), base / "template")
+    return base
+
+
+@pytest.fixture
+def finished(finished_once):
+    """A fresh copy of finished_run(tmp_path, data_dir) for a test to change: checkpoints at steps 3 and 6,
+    at the path it was trained in, which its settings name (a resume may not move it)."""
+    out = finished_once / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(finished_once / "template", out)
+    return out
+
+
+def test_resume_with_fewer_steps_stops_and_touches_nothing(tmp_path, data_dir, finished):
+    out = finished
     before = {d: os.path.getmtime(out / d / "model.pt") for d in checkpoints(out)}
     p = train(out, data_dir, "--num_steps=4", "--resume", check=False)
     assert p.returncode != 0 and "step 6 and num_steps=4" in p.stderr
@@ -256,8 +286,8 @@ def test_resume_with_fewer_steps_stops_and_touches_nothing(tmp_path, data_dir):
     assert {d: os.path.getmtime(out / d / "model.pt") for d in checkpoints(out)} == before
 
 
-def test_resume_may_change_only_the_resumable_settings(tmp_path, data_dir):
-    out = finished_run(tmp_path, data_dir)  # 6 steps, checkpoints at 3 and 6, evaluations every 5 steps
+def test_resume_may_change_only_the_resumable_settings(tmp_path, data_dir, finished):
+    out = finished  # 6 steps, checkpoints at 3 and 6, evaluations every 5 steps
     p = train(out, data_dir, "--num_steps=9", "--save_interval=3", "--sample_tokens=0", "--eval_interval=2", "--resume")
     assert f"resuming from {out / 'step_000006'} (step 6); settings changed: resume, eval_interval, num_steps" in p.stdout
     by_step, records = losses(out)
@@ -327,9 +357,9 @@ def test_loss_far_above_its_minimum_for_a_window_stops_the_run(tmp_path, data_di
     assert records[-1]["diverged"] is True and 10 <= records[-1]["step"] <= 12
 
 
-def test_checkpoints_hold_no_code(tmp_path, data_dir):
+def test_checkpoints_hold_no_code(tmp_path, data_dir, finished):
     """A crafted model.pt whose unpickling would run a command: refused, nothing runs."""
-    out = finished_run(tmp_path, data_dir)
+    out = finished
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -343,13 +373,12 @@ def test_checkpoints_hold_no_code(tmp_path, data_dir):
     assert f"skipping {newest}" in p.stdout and "step_000003" in p.stdout
     assert p.returncode == 0, p.stderr
     assert os.path.isdir(str(newest) + ".unreadable")
-    p = subprocess.run([sys.executable, "eval.py", str(newest) + ".unreadable", "--modes=bpb"], cwd=ROOT,
-                       capture_output=True, text=True)
+    p = python("eval.py", str(newest) + ".unreadable", "--modes=bpb")
     assert p.returncode != 0 and not marker.exists()
 
 
-def test_truncated_checkpoint_falls_back_to_the_newest_readable(tmp_path, data_dir):
-    out = finished_run(tmp_path, data_dir)
+def test_truncated_checkpoint_falls_back_to_the_newest_readable(tmp_path, data_dir, finished):
+    out = finished
     newest = out / "step_000006" / "model.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
     os.makedirs(out / "step_zzz")  # not a checkpoint, whatever it holds
@@ -368,8 +397,8 @@ def test_keep_checkpoints(tmp_path, data_dir):
     assert checkpoints(out) == ["step_000006"]  # the newest is never the one deleted
 
 
-def test_fresh_run_refuses_an_out_dir_holding_another_run(tmp_path, data_dir):
-    out = finished_run(tmp_path, data_dir)
+def test_fresh_run_refuses_an_out_dir_holding_another_run(tmp_path, data_dir, finished):
+    out = finished
     log_before = (out / "log.jsonl").read_text()
     p = train(out, data_dir, "--num_steps=6", check=False)
     assert p.returncode != 0 and "--resume" in p.stderr and "--out_dir" in p.stderr
@@ -399,6 +428,17 @@ def test_unwritable_out_dir_is_found_before_training(tmp_path, data_dir):
     assert p.returncode != 0 and "is not writable" in p.stderr and "step " not in p.stdout
 
 
+# torchrun with a 2 s wait between a worker's SIGTERM and its SIGKILL, instead of the 30 s with which
+# torch closes the workers once one has failed (its --shutdown_timeout does not reach that path).
+TORCHRUN_QUICK_KILL = [sys.executable, "-c", textwrap.dedent("""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.distributed.run import main
+    close = PContext.close
+    PContext.close = lambda self, death_sig=None, timeout=30: close(self, death_sig, min(timeout, 2))
+    main()
+""")]
+
+
 def test_hung_rank_ends_the_job_after_dist_timeout(tmp_path, data_dir):
     patch = textwrap.dedent("""
         import os, time, data
@@ -411,10 +451,12 @@ def test_hung_rank_ends_the_job_after_dist_timeout(tmp_path, data_dir):
     """)
     t0 = time.time()
     p = train(tmp_path / "hang", data_dir, "--num_steps=4", "--total_batch_size=256", "--dist_timeout=5",
-              script=runner(tmp_path, patch), nproc=2, check=False)
+              script=runner(tmp_path, patch), nproc=2, check=False,
+              torchrun=TORCHRUN_QUICK_KILL)
     # rank 0 waits 5 s (dist_timeout) for rank 1 in a collective, gives up with gloo's timeout error,
     # and torchrun ends the job: rank 1, still asleep, is killed long before its 120 s are over (its
-    # SIGTERM only asks for a checkpoint after the step, cluster.py: SIGKILL follows torchrun's 30 s)
+    # SIGTERM only asks for a checkpoint after the step, cluster.py: SIGKILL follows, after torchrun's
+    # wait, 2 s here: TORCHRUN_QUICK_KILL)
     assert p.returncode == 1 and time.time() - t0 < 90
     assert re.search(r"\[rank0\]: RuntimeError: .*Timed out waiting 5000ms", p.stderr), p.stderr[-3000:]
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -9 .*\(SIGKILL\)", p.stderr)
@@ -432,9 +474,8 @@ def test_core_during_training_equals_eval_on_the_same_weights(tmp_path, data_dir
     _, records = losses(out)
     core = {r["step"]: r["core"] for r in records if "core" in r}
     assert sorted(core) == [0, 3, 6]
-    p = subprocess.run([sys.executable, "eval.py", str(out), "--modes=core", "--loops=3", "--max_per_task=4",
-                        "--batch_size=4", f"--bundle_dir={bundle}", "--device=cpu"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = python("eval.py", str(out), "--modes=core", "--loops=3", "--max_per_task=4", "--batch_size=4",
+               f"--bundle_dir={bundle}", "--device=cpu")
     assert p.returncode == 0, p.stderr
     saved = json.loads((out / "step_000006" / "eval.json").read_text())
     assert saved["results"]["3"]["CORE"] == pytest.approx(core[6], abs=1e-12)
@@ -456,9 +497,8 @@ def test_compiled_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir):
 
 
 def test_dry_run_plans_the_paper_run_without_touching_anything(tmp_path):
-    cmd = [sys.executable, "train.py", "config/flt_base.py", "--dry_run", f"--data_dir={tmp_path / 'data'}",
-           f"--out_root={tmp_path / 'out'}", "--gpu=H100"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = python("train.py", "config/flt_base.py", "--dry_run", f"--data_dir={tmp_path / 'data'}",
+               f"--out_root={tmp_path / 'out'}", "--gpu=H100", timeout=120)
     assert p.returncode == 0, p.stderr
     assert os.listdir(tmp_path) == []  # nothing downloaded, no run directory
     # Independent arithmetic. base: depth 12, d = 768, Qwen3's 151,669 ids padded to 151,680, K = 9, T = 1024.
@@ -502,17 +542,14 @@ def test_eval_computes_the_function_training_computed(tmp_path, data_dir):
     val = os.path.join(data_dir, "embedded", "shard_00004.parquet")
     for dtype, same in (("", True), ("fp32", False)):
         # the in-training layout (1 rank, device batch 4) instead of eval.sh's 4 x 4: the same tokens
-        p = subprocess.run([sys.executable, "eval.py", str(out), "--modes=bpb", "--loops=3", "--batch_size=4",
-                            "--bpb_tokens=1024", f"--val_files={val}", "--device=cpu", f"--dtype={dtype}",
-                            "--protocol_ranks=1", "--protocol_batch=4",
-                            f"--out={tmp_path / (dtype or 'trained')}.json"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        p = python("eval.py", str(out), "--modes=bpb", "--loops=3", "--batch_size=4", "--bpb_tokens=1024",
+                   f"--val_files={val}", "--device=cpu", f"--dtype={dtype}", "--protocol_ranks=1", "--protocol_batch=4",
+                   f"--out={tmp_path / (dtype or 'trained')}.json")
         assert p.returncode == 0, p.stderr
         bpb = json.loads((tmp_path / f"{dtype or 'trained'}.json").read_text())["results"]["3"]["val_bpb"]
         assert (bpb == records[-1]["final_val_bpb"]) is same, (dtype, bpb, records[-1]["final_val_bpb"])
 
 
 def test_a_sampled_loop_count_names_its_run_directory():
-    p = subprocess.run([sys.executable, "train.py", "--loops_sampler=uniform", "--loops_max=5", "--dry_run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = python("train.py", "--loops_sampler=uniform", "--loops_max=5", "--dry_run", timeout=120)
     assert p.returncode == 0 and "run plan for out/d3_flt_k3_uniform " in p.stdout, p.stderr
