@@ -90,9 +90,10 @@ def config_for_depth(depth, **overrides):
 
 
 def norm(x):
-    # Parameter-free RMSNorm: the paper's only normalisation (its backbone is nanochat's). Written out rather than
-    # F.rms_norm, which is ~10x slower on CPU in torch 2.13 (torch.compile fuses either on GPU).
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+    # Parameter-free RMSNorm, called as the authors (and nanochat) call it: in fp32 with fp32's eps whatever x's
+    # dtype (CUDA autocast: fp32 out). A formula in bf16 would add bf16's eps (0.0078) to x0 = norm(e) of the bf16
+    # embedding, where every loop restarts (0.4% smaller). As fast as one written out on CPU (torch 2.13).
+    return F.rms_norm(x, (x.size(-1),))
 
 
 def apply_rotary(x, cos, sin):

@@ -134,9 +134,9 @@ def precision(model, device_type, dtype):
     """Set the model's numerics and return the autocast context to run it in: the one place
     training and evaluation take them from, so both compute the same function. "bf16" stores the
     token embedding in bf16 (as the authors' base_train.py) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
-    norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
-    is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
-    in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
+    The embedding's dtype is part of the function (x0 = norm(e) is rounded to it). CPU bf16 autocast is
+    not CUDA's policy: CUDA runs model.norm (F.rms_norm) in fp32 and returns fp32, CPU returns bf16
+    (computed in fp32), so CPU and GPU logits differ slightly."""
     bf16 = dtype_bytes(dtype) == 2
     model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
