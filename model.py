@@ -398,13 +398,20 @@ class GPT(nn.Module):
 
     def compile_regions(self, **kwargs):
         """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model.
-        The blocks share their code, so dynamo builds one graph per kind of layer (injection
-        None/"attn"/"res" x window) and reuses it in every loop: compile time does not grow with
-        K, and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
-        activations alive). Runs with a KV cache stay eager. Returns the model."""
+        The blocks share their code, so dynamo builds graphs per kind of layer (window x injection), not
+        per layer or loop: compile time does not grow with K, and checkpoint_loops keeps working (a
+        whole-model graph's backward keeps every loop's activations alive). Runs with a KV cache stay eager.
+        Past torch._dynamo.config.recompile_limit graphs of Block.forward, dynamo silently runs new calls
+        eagerly. Training needs one per kind, grad mode (bptt_loops' early loops run under no_grad) and
+        requires_grad of x and h_prev: at most 4 per kind of loop 1 (no h_prev), 8 of a later loop; the
+        limit is raised to their sum. So evaluation must run eagerly (train.py's does, under
+        torch.compiler.set_stance("force_eager")): each input length would add graphs. Returns the model."""
         for block in self.transformer.h:
             block.compile(**kwargs)
         self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
+        kinds = {(w, injection(self.config.variant, i)) for i, w in enumerate(self.config.windows())}
+        limit = 4 * len({w for w, _ in kinds}) + 8 * len(kinds)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         return self
 
 

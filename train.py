@@ -205,6 +205,9 @@ watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of F
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 
+# Evaluation runs the blocks eagerly: its calls (under no_grad; CORE prompts of every length) would each
+# compile graphs of their own and fill the cache that training's calls need (model.compile_regions).
+@torch.compiler.set_stance("force_eager")
 def validate(n_tokens):
     """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained loop count, as the authors' training
     loop measures it: each rank scores n_tokens // (world_size * device_batch_size * sequence_len)
@@ -219,6 +222,7 @@ def validate(n_tokens):
     return {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops], "val_tokens": n}
 
 
+@torch.compiler.set_stance("force_eager")
 def core():
     """CORE at the trained loop count on the first core_max_per_task items of every task (Fig. 9)."""
     model.eval()
