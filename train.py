@@ -141,7 +141,7 @@ if tok is None:
     tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
 bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
-if core_interval and master:
+if core_interval and rt.local_rank == 0:  # every node loads it, and data_dir may be the node's own disk
     corpus.fetch_bundle(bundle_dir, evaluation.bundle_url)
 
 runtime.init_group(rt, dist_timeout)
@@ -150,7 +150,7 @@ resume = resume is True or (resume == "auto" and bool(checkpoint.list_checkpoint
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.BYTE_COUNTS}
-core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fetched before the group started
+core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # on this node before the group
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
 ckpt_path, monitor = None, diagnostics.NEW_MONITOR
