@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.registry import lookup_backend
 
+from flt import runtime
 from model import norm
 from test_cluster import two_nodes
 from test_eval import make_bundle
@@ -157,3 +158,20 @@ def test_core_during_training_on_two_nodes_with_their_own_data_dirs(tmp_path, ht
 def files(root):
     """{path relative to root: bytes} of every file below root."""
     return {str(p.relative_to(root)): p.read_bytes() for p in pathlib.Path(root).rglob("*") if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- the torch version
+
+@pytest.mark.parametrize("missing", runtime.COLLECTIVES)
+def test_a_torch_without_the_collectives_stops_at_setup(missing, monkeypatch):
+    monkeypatch.delattr(torch.distributed, missing)
+    with pytest.raises(ValueError, match=rf"has no torch\.distributed\.{missing}, which optim\.py calls: install "
+                                         r"torch>=2\.13 \(requirements\.txt pins torch==2\.13\.0"):
+        runtime.setup("cpu")
+
+
+def test_train_py_with_an_old_torch_stops_before_any_download(tmp_path):
+    patch = "import torch.distributed as dist; del dist.reduce_scatter_single"
+    p = train(tmp_path / "run", tmp_path / "data", script=runner(tmp_path, patch), check=False)
+    assert p.returncode == 1 and "install torch>=2.13" in p.stderr.splitlines()[-1], p.stderr[-1500:]
+    assert sorted(os.listdir(tmp_path)) == ["runner.py"]  # no data, no run directory
