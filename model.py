@@ -77,18 +77,10 @@ class GPTConfig:
         return [w if c == "S" else None for c in tiled]
 
 
-def config_for_depth(depth, **overrides):
-    """The paper's shape from one integer: d = 64*depth, n_head = ceil(d/128), L = depth, n_kv_head =
-    n_head; overrides (any GPTConfig field, n_kv_head included) replace or add to it."""
-    d = 64 * depth
-    n_head = math.ceil(d / 128)
-    return GPTConfig(**dict(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head) | overrides)
-
-
 def norm(x):
-    # Parameter-free RMSNorm: the paper's only normalisation (its backbone is nanochat's). Written out rather than
-    # F.rms_norm, which is ~10x slower on CPU in torch 2.13 (torch.compile fuses either on GPU).
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+    # Parameter-free RMSNorm as the authors call it: fp32 math and eps whatever x's dtype (CUDA autocast: fp32
+    # out), so x0 = norm(e) of a bf16 embedding is not shrunk by bf16's eps (0.0078). On CPU as fast as a formula.
+    return F.rms_norm(x, (x.size(-1),))
 
 
 def apply_rotary(x, cos, sin):
@@ -390,12 +382,18 @@ class GPT(nn.Module):
 
     def compile_regions(self, **kwargs):
         """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole model. The blocks
-        share their code: one graph per kind of layer (injection x window), reused in every loop, so compile time
+        share their code: graphs per kind of layer (window x injection), reused in every loop, so compile time
         does not grow with K and checkpoint_loops keeps working (a whole-model graph's backward keeps every loop's
-        activations alive). Runs with a KV cache stay eager. Returns the model."""
+        activations alive). Past recompile_limit graphs dynamo silently runs calls eagerly: training needs one per
+        kind, grad mode and requires_grad of x and h_prev (at most 4 a kind in loop 1, 8 later), so the limit is
+        raised to that; evaluation runs eagerly (train.py: set_stance("force_eager")), or each input length would
+        add graphs. Runs with a KV cache stay eager. Returns the model."""
         for block in self.transformer.h:
             block.compile(**kwargs)
         self.loss = torch.compile(self.loss, **kwargs)  # fuses softcap + cross-entropy over (B, T, V)
+        kinds = {(w, injection(self.config.variant, i)) for i, w in enumerate(self.config.windows())}
+        limit = 4 * len({w for w, _ in kinds}) + 8 * len(kinds)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         return self
 
 

@@ -155,7 +155,7 @@ if tok is None:
     tok = data.get_tokenizer("bpe", data_dir, shards[:-1], bpe_vocab_size, bos=bos_token)
 train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
 bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
-if core_interval and master:
+if core_interval and rt.local_rank == 0:  # every node loads it, and data_dir may be the node's own disk
     corpus.fetch_bundle(bundle_dir, evaluation.bundle_url)
 
 runtime.init_group(rt, dist_timeout)
@@ -164,7 +164,7 @@ resume = resume is True or (resume == "auto" and bool(checkpoint.list_checkpoint
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.BYTE_COUNTS}
-core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # fetched before the group started
+core_tasks = evaluation.load_bundle(bundle_dir) if core_interval else None  # on this node before the group
 
 # Model: fresh, or exactly as saved (a resumed run may change only the bookkeeping in RESUMABLE).
 ckpt_path, monitor = None, diagnostics.NEW_MONITOR
@@ -210,6 +210,9 @@ watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of F
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 
+# Evaluation runs the blocks eagerly: its calls (under no_grad; CORE prompts of every length) would each
+# compile graphs of their own and fill the cache that training's calls need (model.compile_regions).
+@torch.compiler.set_stance("force_eager")
 def validate(n_tokens):
     """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, as the authors' training loop measures it: each
     rank scores n_tokens // tokens_per_fwdbwd chunks of its own validation stream, never more than one pass."""
@@ -223,6 +226,7 @@ def validate(n_tokens):
     return {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops], "val_tokens": n}
 
 
+@torch.compiler.set_stance("force_eager")
 def core():
     """CORE at the trained loop count on the first core_max_per_task items of every task (Fig. 9)."""
     model.eval()

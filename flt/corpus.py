@@ -430,11 +430,16 @@ def fetch_bundle(bundle_dir, url):
     if os.path.isdir(bundle_dir):
         return bundle_dir
     zip_path = download(url, os.path.abspath(bundle_dir) + ".zip")  # creates bundle_dir's parent
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(zip_path)) as tmp:
-        with zipfile.ZipFile(zip_path) as z:
-            runtime.check_free_space(tmp, sum(i.file_size for i in z.infolist()), f"unpacking {zip_path}",
-                                     "nothing was unpacked; free some space, or choose another bundle_dir")
-            z.extractall(tmp)
+    try:
+        z = zipfile.ZipFile(zip_path)
+    except FileNotFoundError:  # another host sharing the directory unpacked it and removed the zip
+        if os.path.isdir(bundle_dir):
+            return bundle_dir
+        raise
+    with z, tempfile.TemporaryDirectory(dir=os.path.dirname(zip_path)) as tmp:
+        runtime.check_free_space(tmp, sum(i.file_size for i in z.infolist()), f"unpacking {zip_path}",
+                                 "nothing was unpacked; free some space, or choose another bundle_dir")
+        z.extractall(tmp)
         inner = os.path.join(tmp, "eval_bundle")
         if not os.path.isdir(inner):
             raise ValueError(f"{zip_path}: expected a top-level eval_bundle/ directory")

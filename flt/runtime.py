@@ -1,6 +1,6 @@
 """Support for train.py and eval.py: where this process runs, its numerics, and small shared chores.
 
-    rt = runtime.setup(device)        # torchrun's rank/world, the device (errors name the setting)
+    rt = runtime.setup(device)        # torchrun's rank/world, the device (errors name the setting or the torch)
     runtime.init_group(rt, timeout)   # the process group, once data is prepared (train.py)
     dtype = runtime.resolve_dtype(dtype, rt.device_type)   # "auto" = bf16 on CUDA, fp32 elsewhere
     autocast = runtime.precision(model, rt.device_type, dtype)
@@ -24,13 +24,28 @@ import torch
 import torch.distributed as dist
 
 
+# The collectives optim.py's sharded optimizers call: recent torch.distributed names (torch 2.13 has them). An older
+# torch would fail at the first optimizer step of a multi-rank run, after the downloads and compilation.
+TORCH_NEEDED, COLLECTIVES = "2.13", ("reduce_scatter_single", "all_gather_single")
+
+
+def check_torch():
+    """ValueError naming the torch to install unless this one has every torch.distributed collective used."""
+    missing = [name for name in COLLECTIVES if not hasattr(dist, name)]
+    if missing:
+        raise ValueError(f"this torch ({torch.__version__}) has no torch.distributed.{' or .'.join(missing)}, which "
+                         f"optim.py calls: install torch>={TORCH_NEEDED} (requirements.txt pins torch=={TORCH_NEEDED}.0; "
+                         "a CUDA node: the install line in docs/recipe.md)")
+
+
 def setup(device=""):
     """This process's place under torchrun (RANK, LOCAL_RANK, WORLD_SIZE; one process without it)
     and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU (LOCAL_RANK);
     "cuda:N" = GPU N, for one process only (under torchrun each rank takes its LOCAL_RANK's: choose
     the GPUs with CUDA_VISIBLE_DEVICES); "mps"; "cpu" (no index: there is one CPU device). A device
-    this torch cannot use is a ValueError naming the setting. No process group yet: train.py
-    prepares data first, which may outlast a collective's timeout."""
+    this torch cannot use is a ValueError naming the setting, and so is a torch too old (check_torch).
+    No process group yet: train.py prepares data first, which may outlast a collective's timeout."""
+    check_torch()
     rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0),
                                                                        ("WORLD_SIZE", 1)))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,9 +149,9 @@ def precision(model, device_type, dtype):
     """Set the model's numerics and return the autocast context to run it in: the one place
     training and evaluation take them from, so both compute the same function. "bf16" stores the
     token embedding in bf16 (as the authors' base_train.py) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
-    norm's eps follows the stream's dtype (as nanochat's F.rms_norm does), so the embedding's dtype
-    is part of the function. CPU bf16 autocast is not CUDA's policy: CUDA keeps pow/rsqrt (norm)
-    in fp32, CPU runs them in bf16, so CPU and GPU logits differ slightly."""
+    The embedding's dtype is part of the function (x0 = norm(e) is rounded to it). CPU bf16 autocast is
+    not CUDA's policy: CUDA runs model.norm (F.rms_norm) in fp32 and returns fp32, CPU returns bf16
+    (computed in fp32), so CPU and GPU logits differ slightly."""
     bf16 = dtype_bytes(dtype) == 2
     model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)

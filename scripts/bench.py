@@ -12,6 +12,7 @@ Ratio timings alternate between the two sides and keep the median of several rep
 machine noise hits both sides alike.
 """
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -26,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flt import corpus
 import data
 from configurator import configure
-from model import GPT, config_for_depth
+from model import GPT, GPTConfig
 from flt.planning import peak_flops
 from flt.runtime import precision, resolve_dtype, setup, user_errors
 from optim import build_optimizers
@@ -64,7 +65,10 @@ with user_errors():  # a bad setting: its message and exit status 1, no tracebac
 def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's CPU BPE
     """(model, the autocast context to run it in), numerics from runtime.precision."""
     torch.manual_seed(0)
-    model = GPT(config_for_depth(depth, sequence_len=seq, vocab_size=vocab, variant=variant, loops=loops, **kw))
+    n_embd = 64 * depth  # train.py's shape from depth
+    n_head = math.ceil(n_embd / 128)
+    model = GPT(GPTConfig(**dict(n_layer=depth, n_embd=n_embd, n_head=n_head, n_kv_head=n_head, sequence_len=seq,
+                                 vocab_size=vocab, variant=variant, loops=loops) | kw))
     model.init_weights()
     model.to(device)
     return model, precision(model, rt.device_type, dtype)

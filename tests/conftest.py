@@ -14,6 +14,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the tutorial files, flt/, scripts/
 from flt import corpus  # noqa: E402
+from model import GPTConfig  # noqa: E402
+
+
+def config_for_depth(depth, **overrides):
+    """The paper's shape from one integer, written here independently of train.py: d = 64 * depth,
+    n_head = ceil(d / 128), L = depth, n_kv_head = n_head; overrides replace or add GPTConfig fields."""
+    d = 64 * depth
+    n_head = -(-d // 128)
+    return GPTConfig(**dict(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head) | overrides)
 
 
 def pytest_configure(config):

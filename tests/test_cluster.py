@@ -138,13 +138,15 @@ def test_time_based_checkpoints_never_save_a_step_twice(tmp_path, data_dir):
         del os.environ["PID_DIR"]
 
 
-def two_nodes(out_dirs, data_dir, *args, check=True):
-    """Two torchrun agents, one process each, meeting at a c10d rendezvous on 127.0.0.1, as two nodes."""
+def two_nodes(out_dirs, data_dir, *args, script="train.py", check=True):
+    """Two torchrun agents, one process each, meeting at a c10d rendezvous on 127.0.0.1, as two nodes.
+    data_dir: both nodes', or a list of each node's own."""
     port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    data_dirs = data_dir if isinstance(data_dir, list) else [data_dir] * 2
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                               "--rdzv_id=two_nodes", "train.py"] + TINY + [f"--out_dir={out_dirs[node]}",
-                              f"--data_dir={data_dir}", "--total_batch_size=256", "--sample_tokens=0", *args],
+                               "--rdzv_id=two_nodes", script] + TINY + [f"--out_dir={out_dirs[node]}",
+                              f"--data_dir={data_dirs[node]}", "--total_batch_size=256", "--sample_tokens=0", *args],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]

@@ -16,7 +16,8 @@ import torch
 import data
 from flt import planning
 from configurator import configure, settings_of
-from model import GPT, config_for_depth
+from conftest import config_for_depth
+from model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
@@ -57,7 +58,7 @@ def vocab(s):
 # train.py's recipe arithmetic, written again from the paper for the tests (train.py's own is inline in
 # the script; the dry-run tests of test_train.py and test_planning.py check it against the same numbers).
 def model_config(s, vocab_size):
-    """The GPTConfig of the settings: the paper's shape from depth (model.config_for_depth)."""
+    """The GPTConfig of the settings: the paper's shape from depth (conftest.config_for_depth)."""
     return config_for_depth(s["depth"], sequence_len=s["sequence_len"], vocab_size=vocab_size, loops=s["loops"],
                             variant=s["variant"], attn=s["attn"], kv_rank=s["kv_rank"],
                             window_pattern=s["window_pattern"], loss_all_loops=s["loss_all_loops"],

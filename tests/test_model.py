@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary, config_for_depth
+from conftest import config_for_depth
+from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary
 from flt.runtime import precision
 
 VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
@@ -237,13 +238,6 @@ def test_paper_sizes(depth, n_head, millions):
         n = GPT(cfg).num_params()
     assert n == 2 * 151680 * cfg.n_embd + 12 * depth * cfg.n_embd**2
     assert round(n / 1e6) == millions
-
-
-def test_config_for_depth_rounds_heads_up():
-    cfg = config_for_depth(3, loops=4)
-    assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.loops) == (192, 2, 3, 4)
-    # train.py's n_kv_head (GQA) overrides the default n_kv_head = n_head
-    assert (config_for_depth(3, n_kv_head=1).n_kv_head, config_for_depth(3).n_kv_head) == (1, 2)
 
 
 # ----------------------------------------------------------------------------------

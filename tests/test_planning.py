@@ -14,7 +14,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from flt import planning
 from flt import runtime
-from model import GPT, GPTConfig, config_for_depth
+from conftest import config_for_depth
+from model import GPT, GPTConfig
 from optim import build_optimizers, reduce_gradients
 from flt.planning import PEAK_FLOPS, estimate_memory, peak_flops
 from flt.runtime import precision, resolve_dtype
