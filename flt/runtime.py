@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 
-# The collectives optim.py's sharded optimizers call: recent torch.distributed names (torch 2.13 has them). An older
+# The collectives optim.py's sharded optimizers call, recent torch.distributed names (torch 2.13 has them): an older
 # torch would fail at the first optimizer step of a multi-rank run, after the downloads and compilation.
 TORCH_NEEDED, COLLECTIVES = "2.13", ("reduce_scatter_single", "all_gather_single")
 
