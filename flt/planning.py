@@ -32,7 +32,8 @@ def estimate_memory(model, batch_size, dtype="bf16", compiled=False, checkpoint_
       eager, per layer and loop: the stream twice (2s d), the normed inputs of the four
         linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
         RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
-        (b(2d + 2kv)), ReLU and its square (8b d); per loop also h(t) and the stream (s d)
+        (b(2d + 2kv)), ReLU and its square (8b d), and with a bf16 stream (CPU autocast) the fp32
+        copies norm (F.rms_norm) keeps of it (8d); per loop also h(t) and the stream (s d)
       compiled (compile_regions; inductor recomputes pointwise ops): 2s d + b(2d + 2kv) + 4b d
       checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
       logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
@@ -49,6 +50,7 @@ def estimate_memory(model, batch_size, dtype="bf16", compiled=False, checkpoint_
         layer, head, head_peak = 2 * s * d + b * (2 * d + 2 * kv) + 4 * b * d, b * V, 4 * V
     else:
         layer = 2 * s * d + (2 if s == b else 4) * b * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
+        layer += 8 * d if s == 2 else 0  # norm (F.rms_norm) saves an fp32 copy of a bf16 stream, twice a layer
         head, head_peak = 8 * V, 8 * V
     N, loop = batch_size * c.sequence_len, L * layer + s * d
     held = N * (K * (2 * s * d if ckpt else loop) + 2 * s * d + head)  # + e and norm(e)
