@@ -49,7 +49,7 @@ checkpoint_loops = False    # train mode
 compile_mode = "regional"   # train mode: eager | regional (GPT.compile_regions) | whole (torch.compile(model))
 dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (runtime.precision)
 steps = 10                  # train mode: timed steps, after two warm-up steps
-data_dir = "data"           # loader mode
+data_dir = "data"           # loader, lmeval and hf modes: the embedded corpus
 run = ""                    # hf mode: a run's out_dir or step dir; "" = a fresh FLT of this depth, saved and exported
 seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
@@ -304,16 +304,17 @@ def hf():
     """The transformers wrapper's overhead: model.generate(do_sample=False) of the exported folder (FLTForCausalLM,
     the same KVCache) against the project's model.generate(temperature=0) on the same run, the same prompt
     (B=batch_size, 16 tokens), the same gen_tokens tokens (checked equal). Needs requirements/hf.txt."""
-    import shutil
     from transformers import AutoModelForCausalLM
     from flt import checkpoint
     from scripts import export_hf
     with tempfile.TemporaryDirectory() as tmp:
         source = run
-        if not source:  # the embedded corpus's 4096-id BPE: make()'s vocabulary
+        if not source:  # the embedded corpus's 4096-id BPE (data_dir): make()'s vocabulary
+            files = corpus.embedded_corpus(data_dir)
+            tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
             source = os.path.join(tmp, "run")
-            checkpoint.save(source, 0, make("FLT", seq=16 + gen_tokens)[0], {}, settings={}, files={"tokenizer.json":
-                            lambda path: shutil.copy(os.path.join("data", "embedded", "tokenizer_bpe4096.json"), path)})
+            checkpoint.save(source, 0, make("FLT", seq=16 + gen_tokens)[0], {}, settings={},
+                            files={"tokenizer.json": tok.save})
         folder = export_hf.export(source, os.path.join(tmp, "hf"), log=lambda *args: None)
         ours = checkpoint.load_model(folder, device, log=lambda *args: None)[0].eval()
         theirs = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).to(device).eval()

@@ -69,10 +69,11 @@ def test_lmeval_prints_the_quotient_of_a_sweep_and_five_passes(embedded):
         assert r == pytest.approx(a / b, abs=0.005 + 0.05 * (a + b) / b**2), m.group(0)
 
 
-def test_hf_prints_the_quotient_of_transformers_generate_and_the_projects(monkeypatch):
+def test_hf_prints_the_quotient_of_transformers_generate_and_the_projects(monkeypatch, embedded):
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the folder is local: never a hub lookup
-    *_, head, row, overhead = bench("--mode=hf", "--repeats=1", "--gen_tokens=8")
+    data_dir = os.path.dirname(os.path.dirname(embedded[0]))  # the session's embedded corpus
+    *_, head, row, overhead = bench("--mode=hf", "--repeats=1", "--gen_tokens=8", f"--data_dir={data_dir}")
     assert head == "device cpu, depth 1, B=2, loops 2, 8 tokens after 16, median of 1"
     m = RATIO.fullmatch(row)
     assert m and (m.group(1), m.group(5)) == ("generate 8 tokens: transformers / project", "<= 1.25")
