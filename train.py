@@ -80,6 +80,7 @@ divergence_window = 0       # stop once the smoothed loss has been > divergence_
 divergence_nats = 1.0       # running minimum for this many steps in a row (0 = never stop for that)
 watch_layer = -1            # layer whose MLP/attention gradient norms are logged; -1 = the paper's
                             # "5th layer" (index 4), or the last layer of a shallower model
+log_clipped_norms = False   # also log grad_<module>_clipped, the authors' view (an extra pass over the gradients)
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
 compile = "auto"            # torch.compile of the blocks: auto (CUDA only; costs more than it saves on CPU) | on | off
@@ -259,9 +260,11 @@ last_good = ckpt_path  # the checkpoint a failed run points back to
 preemption = cluster.Preemption()
 clock = cluster.Clock(save_interval_minutes)
 preempted = save_due = False  # what the ranks agreed at the last step
+last_read = time.time()  # of the last step's values: the step time is the time between two reads
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves: step num_steps is the final model
     record = {"step": step}
+    paused = time.time()  # evaluation and checkpoints are not timed
     if step > start_step and (step % save_interval == 0 or last_step or save_due or preempted):
         last_good = save(step)  # before evaluating: a preempted run has seconds, not minutes
     if preempted and not last_step:  # at the last step the checkpoint is the run: finish it
@@ -278,9 +281,9 @@ while True:
         record.update({f"final_{k}": v for k, v in validate(final_eval_tokens).items()})
         print0(f"final val bpb ({record['final_val_tokens']:,} tokens): {record['final_val_bpb']:.4f}")
         break
+    paused = time.time() - paused
 
     # Forward and backward: each micro-batch's loss / grad_accum, so the gradients sum to the step's mean.
-    t0 = time.time()
     train_loss = torch.zeros((), device=device)  # summed on the device: no sync per micro-batch
     K = sample_loops(loops_sampler, step, seed, loops, loops_min, loops_max)  # the same on every rank
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
@@ -290,27 +293,28 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # Every rank must take the same decisions below (stop, save, diverge): one all-reduce sums what
-    # they depend on, the loss, the largest residual norm (an overflowed stream can give a finite,
+    # Every rank must take the same decisions below (stop, save, diverge): the all-reduce of the gradients'
+    # squared norms also sums the loss, the largest residual norm (an overflowed stream can give a finite,
     # useless loss; a non-finite value anywhere stays so), and whether any rank was signalled or is due to save.
-    flags = torch.tensor([preemption.requested, clock.due()], dtype=train_loss.dtype, device=device)
-    stats = torch.cat([torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)]), flags])
-    if world_size > 1:
-        dist.all_reduce(stats)
-    stats = stats.tolist()  # one device-to-host copy for the four numbers
-    train_loss = stats[0] / world_size
-    resid = stats[1]
-    preempted = stats[2] > 0
-    save_due = stats[3] > 0
-    if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
-        record.update(diagnostics.clipped_norms(model, watched, grad_clip))
-    norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
-    total_norm = math.sqrt(sum(norms.values()))
+    own = diagnostics.own_gradient_norms(model, watched) if master and log_clipped_norms else None  # pre-averaging
+    flags = {"preempted": preemption.requested, "save_due": clock.due()}
+    summed = {"loss": train_loss, "resid": looped.resid_norms.max()} | {
+        name: torch.full((), float(flag), device=device) for name, flag in flags.items()}  # no host copy
+    norms, summed = reduce_gradients(optimizers, summed)  # {parameter: squared norm of its averaged gradient}
+    # The step's one host sync: every number the loop decides on or logs, in one device-to-host copy.
+    host = diagnostics.read(**summed, norms=diagnostics.gradient_norms(norms, watched), own=own,
+                            resid_norms=looped.resid_norms)
+    now = time.time()
+    dt, last_read = now - last_read - paused, now  # training only: evaluation and checkpoints are not timed
+    train_loss, resid = host["loss"] / world_size, host["resid"]
+    preempted, save_due = host["preempted"] > 0, host["save_due"] > 0
+    record.update(diagnostics.norm_record(host["norms"], watched), **diagnostics.norm_record(
+        host.get("own"), watched, grad_clip))  # grad_<module>_clipped: only with log_clipped_norms
+    total_norm = record["grad_norm"]
     if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves
         log.write({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
         fail(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
              f"stopped before the optimizer step, so the parameters were not updated", 1)
-    record.update(diagnostics.module_norms(norms, watched), grad_norm=total_norm)
 
     # The optimizer step. Clipping scales the rank-averaged gradient (the optimizers apply it);
     # the schedules are functions of the step alone, so a resumed run continues them exactly.
@@ -325,15 +329,12 @@ while True:
         opt.step(grad_scale=clip)
     model.zero_grad(set_to_none=True)  # None, not zeros: frees the memory until the next backward
 
-    # Logging. Wait for the GPU first, or the time would measure only how fast work was queued.
-    if cuda:
-        torch.cuda.synchronize()
-    dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
+    # Logging. dt: from the last step's read of its values to this one's, less evaluation and checkpoints;
+    # in steady state the step time (no torch.cuda.synchronize: the read above is the step's one wait).
     tok_per_s = total_batch_size / dt
     flops_per_token = model.estimate_flops(K, bptt)  # the K actually run, backprop as run
-    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=looped.resid_norms.tolist(),
-                  tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
-                  if peak else None)
+    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=host["resid_norms"], tok_per_s=tok_per_s, dt=dt,
+                  mfu=flops_per_token * tok_per_s / (peak * world_size) if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
         record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""

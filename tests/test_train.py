@@ -141,6 +141,7 @@ def split_targets(val_file, tokenizer_json, batch, seq_len, n_tokens):
 def test_short_run_learns_logs_and_saves(tmp_path, data_dir):
     root = tmp_path / "runs"
     p = train(None, data_dir, f"--out_root={root}", "--num_steps=30", "--save_interval=10", f"--final_eval_tokens={2**20}",
+              "--log_clipped_norms",
               script=runner(tmp_path))
     assert os.listdir(root) == ["d1_flt_k3"]  # named by train.py: depth 1, FLT, K = 3
     out = root / "d1_flt_k3"
