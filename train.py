@@ -81,6 +81,7 @@ divergence_nats = 1.0       # running minimum for this many steps in a row (0 = 
 watch_layer = -1            # layer whose MLP/attention gradient norms are logged; -1 = the paper's
                             # "5th layer" (index 4), or the last layer of a shallower model
 log_clipped_norms = False   # also log grad_<module>_clipped, the authors' view (an extra pass over the gradients)
+loader_prefetch = 2         # row groups tokenized ahead of the one in use (~1.6 s of data each for a GPU at K=3)
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
 compile = "auto"            # torch.compile of the blocks: auto (CUDA only; costs more than it saves on CPU) | on | off
@@ -204,7 +205,7 @@ if ckpt_path:  # this rank's own state; or, saved by another number of ranks, ev
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
-                         state=loader_state)
+                         state=loader_state, prefetch=loader_prefetch)
 resharded = ckpt_path and checkpoint.resharded(ckpt_path, step, len(rank_states), world_size,
                                                loader.skipped_documents, log=print0)
 watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8
@@ -301,9 +302,8 @@ while True:
     summed = {"loss": train_loss, "resid": looped.resid_norms.max()} | {
         name: torch.full((), float(flag), device=device) for name, flag in flags.items()}  # no host copy
     norms, summed = reduce_gradients(optimizers, summed)  # {parameter: squared norm of its averaged gradient}
-    # The step's one host sync: every number the loop decides on or logs, in one device-to-host copy.
     host = diagnostics.read(**summed, norms=diagnostics.gradient_norms(norms, watched), own=own,
-                            resid_norms=looped.resid_norms)
+                            resid_norms=looped.resid_norms)  # the step's one host sync: all it decides or logs
     now = time.time()
     dt, last_read = now - last_read - paused, now  # training only: evaluation and checkpoints are not timed
     train_loss, resid = host["loss"] / world_size, host["resid"]
