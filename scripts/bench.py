@@ -32,7 +32,7 @@ from flt import corpus, diagnostics
 import data
 from configurator import configure
 from model import GPT, config_for_depth
-from flt.planning import peak_flops
+from flt.planning import consumed_tokens_per_s, peak_flops
 from flt.runtime import precision, resolve_dtype, setup, user_errors
 from optim import build_optimizers, clip_coefficient, reduce_gradients
 
@@ -253,16 +253,25 @@ def memory():
 
 
 def loader():
-    """Tokens/s of the streaming loader (tokenization included), train.py's CPU defaults."""
+    """Tokens/s of the streaming loader (tokenization included; the tokenizer threads and prefetch as
+    train.py's) on the embedded corpus, against what one GPU consumes at the small and base shapes
+    (planning.consumed_tokens_per_s: the Qwen3 vocabulary, config/paper.py's T=1024, K=loops, 40% MFU)."""
     files = corpus.embedded_corpus(data_dir)
     tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
-    batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len)
+    batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len, prefetch=2)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         next(batches)
         n += 1
     tok_s = n * batch_size * sequence_len / (time.perf_counter() - t0)
-    print(f"loader: {tok_s:,.0f} tokens/s (B={batch_size}, T={sequence_len}, {os.cpu_count()} CPUs)")
+    print(f"loader: {tok_s:,.0f} tokens/s per process (B={batch_size}, T={sequence_len}, "
+          f"{os.environ['RAYON_NUM_THREADS']} tokenizer threads of {len(os.sched_getaffinity(0))} CPUs)")
+    for name, shape in (("small", 6), ("base", 12)):
+        with torch.device("meta"):
+            model = GPT(config_for_depth(shape, sequence_len=1024, vocab_size=data.QWEN3_VOCAB, loops=loops))
+        need = consumed_tokens_per_s(model, "H100", 0.40)
+        print(f"{name} (depth {shape}, K={loops}): one H100 at 40% MFU consumes {need:,.0f} tokens/s; "
+              f"loader / consumption = {tok_s / need:.2f}")
 
 
 class Launches(TorchDispatchMode):

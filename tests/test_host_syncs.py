@@ -99,3 +99,13 @@ def test_read_is_one_copy_and_keeps_names_and_shapes():
     with diagnostics.count_host_reads() as reads:
         host = diagnostics.read(a=torch.tensor(1.5), b=torch.arange(3.0), skipped=None, c=torch.tensor([4.0]))
     assert host == {"a": 1.5, "b": [0.0, 1.0, 2.0], "c": [4.0]} and dict(reads) == {"tolist": 1}
+
+
+def test_bench_counts_one_host_sync_and_the_collectives_of_a_step():
+    """scripts/bench.py --mode=syncs at a tiny shape, 8 simulated ranks. Depth 1: 6 matrices of 3 shapes (3
+    Muon blocks of up to 8) and 2 AdamW parameters: 5 reduce-scatters, 5 all-gathers and 1 all-reduce."""
+    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=syncs", "--depth=1", "--vocab_size=512",
+                        "--sequence_len=16", "--batch_size=1"], cwd=ROOT, capture_output=True, text=True, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert "one optimizer step: 1 host syncs {'tolist': 1}" in p.stdout and p.stdout.rstrip().endswith(
+        " 11 collectives"), p.stdout
