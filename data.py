@@ -24,7 +24,6 @@ QWEN3_VOCAB = 151669  # ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (15
 QWEN3_BOS = "<|im_start|>"  # the paper authors' document token with the Qwen3 tokenizer (id 151644)
 
 
-
 def tokenizer_threads(cpus, local_world_size):
     """Threads for the tokenizers library's pool in each rank: the CPUs this process may use, shared
     among the ranks on its node (its default: every core, in every rank: ranks x cores threads)."""
@@ -32,8 +31,8 @@ def tokenizer_threads(cpus, local_world_size):
 
 
 # Set before the pool starts (its first parallel encode or training), and never over the user's own.
-os.environ.setdefault("RAYON_NUM_THREADS", str(tokenizer_threads(len(os.sched_getaffinity(0)),
-                                                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
+os.environ.setdefault("RAYON_NUM_THREADS", str(tokenizer_threads(CPUS, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
 
 
 # ---- Tokenizer

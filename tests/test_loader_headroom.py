@@ -37,7 +37,7 @@ def test_the_tokenizers_pool_has_that_many_threads(tmp_path, embedded, local_wor
     env = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}
     env.update(TOK=str(tok), LOCAL_WORLD_SIZE=str(local_world_size), PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", THREADS], env=env, capture_output=True, text=True, check=True)
-    want = data.tokenizer_threads(len(os.sched_getaffinity(0)), local_world_size)
+    want = data.tokenizer_threads(data.CPUS, local_world_size)
     assert out.stdout.split() == [str(want), str(want)]
 
 
