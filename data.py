@@ -1,29 +1,38 @@
 """Data: the paper's text as (x, y) batches of token ids: byte-level BPE tokenizers, a streaming loader.
 
-The paper pretrains on FineWeb-Edu (nanochat's parquet shards) with the Qwen3 tokenizer; for CPU
-work with no network the same code path runs on an embedded corpus built from text every Python
-ships with, and a BPE trained on it. Both are parquet shards with a `text` column, the last one
-held out for validation; corpus.py downloads or builds them (`python corpus.py --download 249`,
-`python corpus.py --embedded`). Packing and byte counts follow the paper authors' code
-(nanochat/dataloader.py, get_token_bytes): each document is [bos] + its tokens, one stream per
-rank, cut into chunks of B*T+1 tokens that never overlap. The evaluation's tokens are cut the same
-way (protocol_chunks: the validation chunks of the authors' eval.sh layout; wiki_windows: their
-WikiText loader); eval.py scores them.
+The paper pretrains on FineWeb-Edu (nanochat's parquet shards) with the Qwen3 tokenizer; for CPU work
+with no network the same code path runs on an embedded corpus built from text every Python ships with,
+and a BPE trained on it. Both are parquet shards with a `text` column, the last one held out for
+validation (`python -m flt.corpus` downloads or builds them). Packing and byte counts follow the paper
+authors' code (nanochat/dataloader.py, get_token_bytes): each document is [bos] + its tokens, one stream
+per rank, cut into chunks of B*T+1 tokens that never overlap. The evaluation's tokens are cut the same
+way (protocol_chunks: the authors' eval.sh layout; wiki_windows: their WikiText loader); eval.py scores them.
 """
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 
 import tokenizers
 import torch
 
-from flt import corpus
+from flt import checkpoint, corpus
 from flt.runtime import atomic_write
 
-HUB_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"
 BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document
 QWEN3_VOCAB = 151669  # ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (151644..151668); train.py --dry_run
 QWEN3_BOS = "<|im_start|>"  # the paper authors' document token with the Qwen3 tokenizer (id 151644)
+
+
+def tokenizer_threads(cpus, local_world_size):
+    """Threads for the tokenizers library's pool in each rank: the CPUs this process may use, shared
+    among the ranks on its node (its default: every core, in every rank: ranks x cores threads)."""
+    return max(1, cpus // max(1, local_world_size))
+
+
+# Set before the pool starts (its first parallel encode or training), and never over the user's own.
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
+os.environ.setdefault("RAYON_NUM_THREADS", str(tokenizer_threads(CPUS, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
 
 
 # ---- Tokenizer
@@ -100,12 +109,7 @@ def train_tokenizer(files, vocab_size, path):
 
 def load_tokenizer(name_or_path, cache_dir=None, bos=BOS):
     """A tokenizer.json path, or a hub name like 'Qwen/Qwen3-0.6B' (downloaded into cache_dir)."""
-    path = name_or_path
-    if not os.path.exists(path) and not path.endswith(".json") and path.count("/") == 1:
-        cache = cache_dir or corpus.DEFAULT_DATA_DIR
-        path = corpus.download(HUB_URL.format(name=name_or_path),
-                               os.path.join(cache, name_or_path.replace("/", "--") + ".tokenizer.json"),
-                               hint="offline? give the path of a tokenizer.json instead (setting tokenizer)")
+    path = corpus.tokenizer_file(name_or_path, cache_dir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer {name_or_path!r}: no such file; give a tokenizer.json "
                                 "path or a hub name like 'Qwen/Qwen3-0.6B'")
@@ -143,20 +147,22 @@ class DataLoader:
     state_dict() is the position of the next unread token ({"epoch", "file" (its name), "row_group",
     "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's "epoch_tokens"
     read and "epoch_batches" begun: a loader built with state=loader.state_dict() after batch n yields
-    batch n+1; state=[every rank's state] of another world size: see _continue. While a row group is
-    used, the next one is tokenized in a background thread.
+    batch n+1; state=[every rank's state] of another world size: checkpoint.continue_loader. While a row
+    group is used, the next `prefetch` are tokenized in a background thread (train.py's loader_prefetch).
     """
 
     def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None,
-                 cycle=True):
+                 cycle=True, prefetch=1):
         if not files:
             raise ValueError("DataLoader: no files given")
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
-        self.files, self.tokenizer, self.B, self.T = list(files), tokenizer, batch_size, seq_len
-        self.rank, self.world_size, self.device, self.cycle = rank, world_size, torch.device(device), cycle
+        self.files, self.tokenizer = list(files), tokenizer
+        self.B, self.T = batch_size, seq_len
+        self.rank, self.world_size = rank, world_size
+        self.device, self.cycle = torch.device(device), cycle
         self.names = [os.path.basename(f) for f in self.files]
         if len(set(self.names)) < len(self.names):
             raise ValueError(f"DataLoader: file names must differ (a loader state names files): {self.names}")
@@ -169,14 +175,17 @@ class DataLoader:
         if not self.groups and cycle:  # would loop forever looking for a token
             raise ValueError(f"rank {rank} of {world_size} gets no documents: row groups per file "
                              f"{row_groups} in {self.files[0]}, ...; use fewer ranks or more data")
-        self.epoch, self.pos, self.offset, self.tokens, self.done = 0, 0, 0, None, not self.groups
-        self.epoch_tokens = self.epoch_batches = 0
-        self.pool, self.prefetched, self.skipped_documents = ThreadPoolExecutor(1), None, 0
+        self.epoch = self.pos = self.offset = self.epoch_tokens = self.epoch_batches = 0
+        self.tokens, self.done = None, not self.groups
+        self.pool, self.prefetch = ThreadPoolExecutor(1), prefetch
+        self.ahead = deque()  # (position, the future of its tokens), the next `prefetch` row groups in order
+        self.skipped_documents = 0
         if state is None:
             return
-        if isinstance(state, list):  # every rank's state (see _continue), or this rank's own
+        if isinstance(state, list):  # every rank's state, or this rank's own
             if len(state) != 1 or state[0]["world_size"] != world_size:
-                return self._continue(state)
+                self.epoch, self.pos, self.skipped_documents = checkpoint.continue_loader(self, state)
+                return
             state = state[0]
         if missing := sorted(self.state_dict().keys() - state.keys()):
             raise ValueError(f"loader state {state} lacks {missing}: saved before data.py packed as the authors' "
@@ -201,49 +210,26 @@ class DataLoader:
                 "rank": self.rank, "world_size": self.world_size, "epoch_tokens": self.epoch_tokens,
                 "epoch_batches": self.epoch_batches}
 
-    def _continue(self, states):
-        """Start where a run saved by another number of ranks stopped (states: each of its ranks', in
-        rank order): at the first row group after the furthest one any of them had begun, so no
-        document is read twice. The documents its ranks had not reached by then are skipped, and
-        counted in self.skipped_documents."""
-        W, sizes = len(states), [len(rows) for rows in self.rows]
-        if not states or [(s["rank"], s["world_size"]) for s in states] != [(r, W) for r in range(W)] or any(
-                s["file"] not in self.names or s["row_group"] >= sizes[self.names.index(s["file"])] for s in states):
-            raise ValueError(f"loader states {states}: expected one per rank of the saved run, in rank order, "
-                             f"at row groups of these files {self.names}")
-
-        def after(e, f, g):  # the row group after (f, g) in file order, whichever rank reads it
-            return (e, f, g + 1) if g + 1 < sizes[f] else (e, f + 1, 0) if f + 1 < len(sizes) else (e + 1, 0, 0)
-        beyond = []  # for each old rank: the position after the last row group it had begun
-        for r, s in enumerate(states):
-            mine = [(f, g) for f, n in enumerate(sizes) for g in range(r, n, W)]
-            e, p = s["epoch"], mine.index((self.names.index(s["file"]), s["row_group"]))
-            beyond.append(after(e, *mine[p]) if s["offset"] else after(e, *mine[p - 1]) if p else
-                          after(e - 1, *mine[-1]) if e else (0, 0, 0))
-        start = max(beyond)
-        ahead = [i for i, group in enumerate(self.groups) if group >= start[1:]]
-        self.epoch, self.pos = (start[0], ahead[0]) if ahead else (start[0] + 1, 0)
-        for r, (e, f, g), s in zip(range(W), beyond, states):
-            if s["offset"]:  # the documents of its row group it had not begun
-                tokens = self._tokenize(self.names.index(s["file"]), s["row_group"])
-                self.skipped_documents += int((tokens[s["offset"]:] == self.tokenizer.bos_id).sum())
-            while (e, f, g) < start:  # then its row groups nobody read
-                self.skipped_documents += self.rows[f][g] if g % W == r else 0
-                e, f, g = after(e, f, g)
-
-    def _tokenize(self, file, row_group):
+    def tokenize(self, file, row_group):
+        """Row group row_group of file number `file` as one stream: [bos] + ids of each document."""
         stream = []
         for ids in self.tokenizer.encode_batch(corpus.read_texts(self.files[file], row_group)):
             stream += [self.tokenizer.bos_id, *ids]
         return torch.tensor(stream, dtype=torch.long)
 
     def _load(self):
-        """Row group self.pos, tokenized; starts tokenizing the one after it in the background."""
-        pos, future = self.prefetched or (None, None)
-        tokens = future.result() if pos == self.pos else self._tokenize(*self.groups[self.pos])
-        following = (self.pos + 1) % len(self.groups)
-        if following or self.cycle:  # without cycle, no epoch follows the last row group
-            self.prefetched = (following, self.pool.submit(self._tokenize, *self.groups[following]))
+        """Row group self.pos, tokenized; keeps the next `prefetch` tokenizing in the background."""
+        if self.ahead and self.ahead[0][0] == self.pos:
+            tokens = self.ahead.popleft()[1].result()
+        else:  # the first row group, or a new start: nothing queued
+            self.ahead.clear()
+            tokens = self.tokenize(*self.groups[self.pos])
+        following = self.ahead[-1][0] if self.ahead else self.pos
+        while len(self.ahead) < self.prefetch:
+            following = (following + 1) % len(self.groups)
+            if not (following or self.cycle):  # without cycle, no epoch follows the last row group
+                break
+            self.ahead.append((following, self.pool.submit(self.tokenize, *self.groups[following])))
         return tokens
 
     def _end_epoch(self):
@@ -254,7 +240,8 @@ class DataLoader:
                   f"files: {files}, tokens: {self.epoch_tokens:,}, batches served: {self.epoch_batches}); "
                   f"epoch {self.epoch + 1} starts: its documents are seen again", flush=True)
         self.done = not self.cycle
-        self.pos, self.epoch, self.epoch_tokens, self.epoch_batches = 0, self.epoch + 1, 0, 0
+        self.pos = self.epoch_tokens = self.epoch_batches = 0
+        self.epoch += 1
 
     def __iter__(self):
         return self
@@ -272,7 +259,8 @@ class DataLoader:
             self.offset += len(piece)
             self.epoch_tokens += len(piece)
             if self.offset == len(self.tokens):  # row group used up: the state names the next one
-                self.pos, self.offset, self.tokens = self.pos + 1, 0, None
+                self.pos += 1
+                self.offset, self.tokens = 0, None
                 if self.pos == len(self.groups):
                     self._end_epoch()
         chunk = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)

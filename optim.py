@@ -10,26 +10,24 @@ count K when K varies (train.py's loops_sampler, beyond the paper).
 The contract: the optimizers own the gradient reduction (no DDP), with the same calls
 for one process and for torchrun. Every step:
   1. backward on each micro-batch: p.grad is this rank's own, un-averaged gradient.
-  2. norms = reduce_gradients(optimizers) averages every gradient over the ranks and
-     returns {parameter: squared L2 norm of its averaged gradient} (Python floats,
-     equal on every rank), so clipping and the per-module diagnostics see the
-     averaged gradient, as under DDP.
-  3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged
-     gradient (c = the clip coefficient, 1.0 = none); all ranks end with the same
-     parameters. It consumes the gradients (in one process it scales them in place):
-     zero them next. step() without reduce_gradients() first reduces by itself.
-Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the
-pieces each rank updates, an all-gather of the updated pieces: 2P elements of buffers
-(DDP: 3P, an all-reduce, then sharing the updates), plus an all_reduce of one number
-per parameter tensor for the norms. In one process every collective is skipped. gloo
-runs reduce_scatter_single / all_gather_single (torch 2.13's names for
-reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
+  2. norms, summed = reduce_gradients(optimizers, summed) averages every gradient over the ranks
+     and returns {parameter: squared L2 norm of its averaged gradient} and the caller's `summed`
+     summed over the ranks (0-d device tensors, equal on every rank, read by the caller in one
+     go), so clipping and the per-module diagnostics see the averaged gradient, as under DDP.
+  3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged gradient (c = the
+     clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the gradients
+     (in one process it scales them in place): zero them next. step() alone first reduces by itself.
+Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
+rank updates, an all-gather of the updated pieces: 2P elements of buffers (DDP: 3P, an all-reduce,
+then sharing the updates), plus an all_reduce of one number per parameter tensor for the norms (and
+`summed`). In one process every collective is skipped. gloo runs reduce_scatter_single /
+all_gather_single (torch 2.13's names for reduce_scatter_tensor / all_gather_into_tensor) as NCCL
+does: tests run NCCL's path.
 
-The state is per rank (its own slices or matrices): save one state_dict() per rank.
-It holds only tensors, numbers and strings (torch.load(weights_only=True) reads it)
-and records world_size and rank; load_state_dict refuses another rank's. _owns(p) and
-_piece(p, whole) say which piece of a parameter's state a rank keeps: checkpoint.py
-reshards a run saved with another world size with them.
+The state is per rank (its own slices or matrices): save one state_dict() per rank. It holds
+only tensors, numbers and strings (torch.load(weights_only=True) reads it) and records world_size
+and rank; load_state_dict refuses another rank's. _owns(p) and _piece(p, whole) say which piece
+of a parameter's state a rank keeps: checkpoint.py reshards a run saved with another world size.
 """
 
 import math
@@ -279,15 +277,17 @@ class AdamW(_Sharded):
 
 
 @torch.no_grad()
-def reduce_gradients(optimizers):
-    """Average the gradients over the ranks; {parameter: squared L2 norm of its average}."""
+def reduce_gradients(optimizers, summed=None):
+    """Average the gradients over the ranks; ({parameter: squared L2 norm of its average}, `summed` ({name:
+    0-d tensor}) summed over the ranks): 0-d device tensors from one all-reduce, no host read."""
     for opt in optimizers:
         opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
     shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}
-    sq_norms = torch.stack(list(shares.values()))
+    values = torch.stack([*shares.values(), *(v.float() for v in (summed or {}).values())])
     if any(opt.world_size > 1 for opt in optimizers):
-        dist.all_reduce(sq_norms)  # each rank holds the squares of its slices and matrices
-    return dict(zip(shares, sq_norms.tolist()))
+        dist.all_reduce(values)  # each rank holds the squares of its slices and matrices
+    values = values.unbind()
+    return dict(zip(shares, values)), dict(zip(summed or {}, values[len(shares):]))
 
 
 def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,

@@ -12,7 +12,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 import data
 import eval as evaluation
@@ -80,6 +79,8 @@ divergence_window = 0       # stop once the smoothed loss has been > divergence_
 divergence_nats = 1.0       # running minimum for this many steps in a row (0 = never stop for that)
 watch_layer = -1            # layer whose MLP/attention gradient norms are logged; -1 = the paper's
                             # "5th layer" (index 4), or the last layer of a shallower model
+log_clipped_norms = False   # also log grad_<module>_clipped, the authors' view (an extra pass over the gradients)
+loader_prefetch = 2         # row groups tokenized ahead of the one in use (~1.6 s of data each for a GPU at K=3)
 # system
 device = ""                 # cuda | cpu | mps; empty = autodetect
 compile = "auto"            # torch.compile of the blocks: auto (CUDA only; costs more than it saves on CPU) | on | off
@@ -203,19 +204,17 @@ if ckpt_path:  # this rank's own state; or, saved by another number of ranks, ev
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)  # the blocks, not the whole model: checkpoint_loops keeps working
 loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
-                         state=loader_state)
+                         state=loader_state, prefetch=loader_prefetch)
 resharded = ckpt_path and checkpoint.resharded(ckpt_path, step, len(rank_states), world_size,
                                                loader.skipped_documents, log=print0)
 watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of Figures 3 and 8
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 
-# Evaluation runs the blocks eagerly: its calls (under no_grad; CORE prompts of every length) would each
-# compile graphs of their own and fill the cache that training's calls need (model.compile_regions).
+# Evaluation runs eagerly: its shapes (CORE's prompt lengths) would fill the cache training's graphs need.
 @torch.compiler.set_stance("force_eager")
 def validate(n_tokens):
-    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, as the authors' training loop measures it: each
-    rank scores n_tokens // tokens_per_fwdbwd chunks of its own validation stream, never more than one pass."""
+    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the authors' loop)."""
     if n_tokens not in val_chunks:
         val_chunks[n_tokens] = evaluation.protocol_chunks(val_files, tok, sequence_len, n_tokens, world_size,
                                                           device_batch_size, rank, world_size)[0]
@@ -237,8 +236,7 @@ def core():
     return result[config.loops]["CORE"]
 
 
-def fail(message, code):
-    """Stop every rank over a failure, naming the checkpoint to go back to."""
+def fail(message, code):  # every rank stops, naming the checkpoint to go back to
     runtime.stop(rt, f"{message}. Last good checkpoint: {last_good or 'none yet'}", code)
 
 
@@ -263,9 +261,11 @@ last_good = ckpt_path  # the checkpoint a failed run points back to
 preemption = cluster.Preemption()
 clock = cluster.Clock(save_interval_minutes)
 preempted = save_due = False  # what the ranks agreed at the last step
+last_read = time.time()  # of the last step's values: the step time is the time between two reads
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves: step num_steps is the final model
     record = {"step": step}
+    paused = time.time()  # evaluation and checkpoints are not timed
     if step > start_step and (step % save_interval == 0 or last_step or save_due or preempted):
         last_good = save(step)  # before evaluating: a preempted run has seconds, not minutes
     if preempted and not last_step:  # at the last step the checkpoint is the run: finish it
@@ -282,9 +282,9 @@ while True:
         record.update({f"final_{k}": v for k, v in validate(final_eval_tokens).items()})
         print0(f"final val bpb ({record['final_val_tokens']:,} tokens): {record['final_val_bpb']:.4f}")
         break
+    paused = time.time() - paused
 
     # Forward and backward: each micro-batch's loss / grad_accum, so the gradients sum to the step's mean.
-    t0 = time.time()
     train_loss = torch.zeros((), device=device)  # summed on the device: no sync per micro-batch
     K = sample_loops(loops_sampler, step, seed, loops, loops_min, loops_max)  # the same on every rank
     for micro in range(grad_accum):  # gradients stay local and summed; the optimizers average them
@@ -294,27 +294,28 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # Every rank must take the same decisions below (stop, save, diverge): one all-reduce sums what
-    # they depend on, the loss, the largest residual norm (an overflowed stream can give a finite,
-    # useless loss; a non-finite value anywhere stays so), and whether any rank was signalled or is due to save.
-    flags = torch.tensor([preemption.requested, clock.due()], dtype=train_loss.dtype, device=device)
-    stats = torch.cat([torch.stack([train_loss, looped.resid_norms.max().to(train_loss.device)]), flags])
-    if world_size > 1:
-        dist.all_reduce(stats)
-    stats = stats.tolist()  # one device-to-host copy for the four numbers
-    train_loss = stats[0] / world_size
-    resid = stats[1]
-    preempted = stats[2] > 0
-    save_due = stats[3] > 0
-    if master:  # before the averaging below: the authors' view of the gradient, rank 0's own
-        record.update(diagnostics.clipped_norms(model, watched, grad_clip))
-    norms = reduce_gradients(optimizers)  # {parameter: squared norm of its rank-averaged gradient}
-    total_norm = math.sqrt(sum(norms.values()))
+    # Every rank takes the same decisions below (stop, save, diverge): the all-reduce of the squared gradient norms
+    # also sums the loss, the largest residual norm (an overflowed stream can give a finite, useless loss), and
+    # whether any rank was signalled or is due to save; a non-finite value anywhere stays so.
+    own = diagnostics.own_gradient_norms(model, watched) if master and log_clipped_norms else None  # pre-averaging
+    flags = {"preempted": preemption.requested, "save_due": clock.due()}
+    summed = {"loss": train_loss, "resid": looped.resid_norms.max()} | {
+        name: torch.full((), float(flag), device=device) for name, flag in flags.items()}  # no host copy
+    norms, summed = reduce_gradients(optimizers, summed)  # {parameter: squared norm of its averaged gradient}
+    host = diagnostics.read(**summed, norms=diagnostics.gradient_norms(norms, watched), own=own,
+                            resid_norms=looped.resid_norms)  # the step's one host sync: all it decides or logs
+    now = time.time()
+    dt = now - last_read - paused  # training only: evaluation and checkpoints are not timed
+    last_read = now
+    train_loss, resid = host["loss"] / world_size, host["resid"]
+    preempted, save_due = host["preempted"] > 0, host["save_due"] > 0
+    record.update(diagnostics.norm_record(host["norms"], watched), **diagnostics.norm_record(
+        host.get("own"), watched, grad_clip))  # grad_<module>_clipped: only with log_clipped_norms
+    total_norm = record["grad_norm"]
     if not all(map(math.isfinite, (train_loss, total_norm, resid))):  # before any parameter moves
         log.write({"step": step, "diverged": True, "loss": train_loss, "grad_norm": total_norm})
         fail(f"step {step}: loss {train_loss}, gradient norm {total_norm}, residual norm {resid}: not finite; "
              f"stopped before the optimizer step, so the parameters were not updated", 1)
-    record.update(diagnostics.module_norms(norms, watched), grad_norm=total_norm)
 
     # The optimizer step. Clipping scales the rank-averaged gradient (the optimizers apply it);
     # the schedules are functions of the step alone, so a resumed run continues them exactly.
@@ -329,15 +330,11 @@ while True:
         opt.step(grad_scale=clip)
     model.zero_grad(set_to_none=True)  # None, not zeros: frees the memory until the next backward
 
-    # Logging. Wait for the GPU first, or the time would measure only how fast work was queued.
-    if cuda:
-        torch.cuda.synchronize()
-    dt = time.time() - t0  # training only: evaluation and checkpoints are not timed
+    # Logging. dt is the step time in steady state: no torch.cuda.synchronize, the read above is the one wait.
     tok_per_s = total_batch_size / dt
     flops_per_token = model.estimate_flops(K, bptt)  # the K actually run, backprop as run
-    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=looped.resid_norms.tolist(),
-                  tok_per_s=tok_per_s, dt=dt, mfu=flops_per_token * tok_per_s / (peak * world_size)
-                  if peak else None)
+    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=host["resid_norms"], tok_per_s=tok_per_s, dt=dt,
+                  mfu=flops_per_token * tok_per_s / (peak * world_size) if peak else None)
     if cuda and step < start_step + 10:  # the first steps show whether the memory estimate holds
         record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""

@@ -14,3 +14,4 @@ eval_tokens = 2**13         # 8 forwards: about a second per evaluation
 final_eval_tokens = 2**15
 out_root = "out/cpu_diag"
 divergence_window = 0
+log_clipped_norms = True    # grad_<module>_clipped, as the authors' diagnostic script logged them

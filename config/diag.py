@@ -9,3 +9,4 @@ out_root = "out/diag"
 divergence_window = 0          # the figures show the collapse, so nothing stops early
 save_interval = 500
 eval_interval = 200            # the authors' check.sh / base_check.py
+log_clipped_norms = True       # grad_<module>_clipped, as the authors' diagnostic script logged them

@@ -60,6 +60,7 @@ VAL_SHARD, AUTHORS_TRAIN_SHARDS = 249, 249
 # per token (nanochat rounds its 216 shards up to 240), so a run does not silently repeat its data.
 SHARD_TOKENS, SHARD_GB, SHARD_MARGIN = 55e6, 0.1, 1.1
 DEFAULT_DATA_DIR = "data"
+TOKENIZER_URL = "https://huggingface.co/{name}/resolve/main/tokenizer.json"  # data.load_tokenizer's hub names
 MANIFEST = "manifest.json"  # beside complete shards: each one's size and rows, checked on use
 TIMEOUT = (5, 30)  # seconds to connect (an unreachable host fails fast), then between two reads
 PROGRESS_SECONDS = 10  # download progress: a line per finished file, else at most one per 10 s
@@ -145,6 +146,16 @@ def _fetch(url, part, progress):
 def _part(path):
     """Where a download of path collects its bytes: this host's own file, which a restart resumes."""
     return f"{path}.part.{socket.gethostname()}"
+
+
+def tokenizer_file(name, cache_dir=None):
+    """name itself, unless it is a hub name like 'Qwen/Qwen3-0.6B' (not a file): then its tokenizer.json,
+    downloaded into cache_dir (default data/) once."""
+    if os.path.exists(name) or name.endswith(".json") or name.count("/") != 1:
+        return name
+    return download(TOKENIZER_URL.format(name=name),
+                    os.path.join(cache_dir or DEFAULT_DATA_DIR, name.replace("/", "--") + ".tokenizer.json"),
+                    hint="offline? give the path of a tokenizer.json instead (setting tokenizer)")
 
 
 def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):

@@ -1,11 +1,16 @@
 """Support for train.py: what it watches while it trains, kept out of the training loop's way.
 
     watched = diagnostics.watched_modules(model, watch_layer)  # the modules of Figures 3 and 8
-    record |= diagnostics.clipped_norms(model, watched, 1.0)   # rank 0's own gradient, the authors' view
-    record |= diagnostics.module_norms(norms, watched)         # the rank-averaged gradient, before clipping
+    norms = diagnostics.gradient_norms(sq_norms, watched)      # the rank-averaged gradient, before clipping
+    own = diagnostics.own_gradient_norms(model, watched)       # rank 0's own gradient, the authors' view
+    host = diagnostics.read(norms=norms, own=own, ...)         # the step's one host sync
+    record |= diagnostics.norm_record(host["norms"], watched)  # grad_norm, grad_<module>
+    record |= diagnostics.norm_record(host["own"], watched, 1.0)  # grad_<module>_clipped
     monitor = diagnostics.divergence(monitor, loss, nats)      # the smoothed loss against its minimum
     log = diagnostics.Log(out_dir, settings)                   # settings.json, then log.jsonl line by line
 """
+import collections
+import contextlib
 import json
 import math
 import os
@@ -26,22 +31,71 @@ def watched_modules(model, watch_layer=-1):
             "attn_mid": blocks[mid].attn}
 
 
-def module_norms(sq_norms, watched):
-    """{"grad_<name>": L2 norm of the module's gradient} from {parameter: squared norm of its
-    gradient} (optim.reduce_gradients: the rank-averaged gradient, before clipping)."""
-    return {f"grad_{k}": math.sqrt(sum(sq_norms[p] for p in m.parameters())) for k, m in watched.items()}
+def gradient_norms(sq_norms, watched):
+    """(1 + len(watched),) tensor on the device: the L2 norm of the whole gradient, then of each watched
+    module's, from {parameter: squared norm of its gradient (0-d tensor)}; no host read."""
+    parts = [list(sq_norms.values())] + [[sq_norms[p] for p in m.parameters()] for m in watched.values()]
+    return torch.stack([torch.stack(sq).sum() for sq in parts]).sqrt()
 
 
 @torch.no_grad()
-def clipped_norms(model, watched, max_norm):
-    """The watched modules' gradient norms as the authors' diagnostic script (scripts/base_check.py)
-    logs them: of this rank's own gradient (before the ranks are averaged), after clip_grad_norm_ with
-    its own total norm. The paper's figures say "before clipping": module_norms."""
-    sq = {p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None}
-    parts = torch.stack([sum(sq.values())] + [sum(sq[p] for p in m.parameters()) for m in watched.values()])
-    total, *module = parts.sqrt().tolist()  # one device sync for all of them
+def own_gradient_norms(model, watched):
+    """gradient_norms of this rank's own gradient (before the ranks are averaged): the authors'
+    diagnostic script (scripts/base_check.py) logs them, clipped by norm_record. An extra pass over every
+    gradient: train.py's log_clipped_norms asks for it."""
+    return gradient_norms({p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None},
+                          watched)
+
+
+def norm_record(norms, watched, max_norm=None):
+    """gradient_norms read to the host, as log entries: {"grad_norm", "grad_<name>"}; with max_norm (the
+    authors' view, after clip_grad_norm_ by the total): {"grad_<name>_clipped"}. The paper's figures say
+    "before clipping": without max_norm. norms None (not asked for): {}."""
+    if norms is None:
+        return {}
+    total, *modules = norms
+    if max_norm is None:
+        return {"grad_norm": total} | {f"grad_{k}": n for k, n in zip(watched, modules)}
     coef = clip_coefficient(total, max_norm)
-    return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, module)}
+    return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, modules)}
+
+
+def read(**tensors):
+    """{name: a float (0-d tensor) or a list (1-D)} of the tensors given (None: left out), in one
+    device-to-host copy: the training loop's one host sync per step."""
+    tensors = {k: t for k, t in tensors.items() if t is not None}
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors.values()]).tolist()
+    out, start = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[start] if t.dim() == 0 else flat[start:start + t.numel()]
+        start += t.numel()
+    return out
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Counts, by method, the tensor-to-Python reads (each a host sync on a GPU) and torch.cuda.synchronize
+    calls made inside the block (tests/test_host_syncs.py, scripts/bench.py --mode=syncs)."""
+    counts, originals = collections.Counter(), {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name, original):
+        def method(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+        return method
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = counted("cuda.synchronize", synchronize)
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        torch.cuda.synchronize = synchronize
 
 
 NEW_MONITOR = {"ema": None, "best": math.inf, "above": 0}

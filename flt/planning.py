@@ -85,6 +85,12 @@ def peak_flops(name):
     return next((flops for key, flops in PEAK_FLOPS if key.lower() in name.lower()), None)
 
 
+def consumed_tokens_per_s(model, gpu="H100", mfu=0.40):
+    """Training tokens/s one GPU consumes at `mfu` of its peak: peak FLOP/s x mfu / the model's FLOPs per
+    token (the loops counted): what each rank's loader must deliver (scripts/bench.py --mode=loader)."""
+    return peak_flops(gpu) * mfu / model.estimate_flops()
+
+
 # ---------------------------------------------------------------------------- train.py's settings
 # The functions below take train.py's settings (the dict configure returns, or any mapping of them)
 # and return or raise; train.py calls them before any data, model or process group exists.
@@ -93,7 +99,7 @@ def peak_flops(name):
 RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
              "final_eval_tokens", "save_interval", "save_interval_minutes", "keep_checkpoints", "keep_every",
              "sample_tokens", "device", "compile", "dtype", "data_dir", "divergence_window", "divergence_nats",
-             "dist_timeout", "dry_run", "gpu", "wandb_project"}
+             "dist_timeout", "dry_run", "gpu", "wandb_project", "loader_prefetch", "log_clipped_norms"}
 
 
 def check_settings(s, defaults):
@@ -105,7 +111,7 @@ def check_settings(s, defaults):
         raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
                 "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
-                "core_max_per_task"):
+                "core_max_per_task", "loader_prefetch"):
         if s[key] < 1:
             bad(key, "a positive integer")
     for key in ("keep_every", "core_interval", "divergence_window"):
@@ -232,5 +238,6 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
             f"  memory/GPU  device_batch_size={s['device_batch_size']}, {dtype}, {gpus} GPUs (estimate, GiB):\n"
             f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
             f"compiled {gib[True, False]:.1f}, checkpoint_loops {gib[True, True]:.1f}\n"
-            f"  time        " + (f"{gpus} x {name}: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%"
+            f"  time        " + (f"{gpus} x {name}: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%; "
+                                 f"each GPU consumes {consumed_tokens_per_s(model, name) / 1e6:.2f} M tokens/s at 40%"
                                  if peak else f"unknown accelerator {name!r} (--gpu=H100, A100, ...)"))

@@ -6,6 +6,8 @@ Speed and memory checks, measured side by side in one run.
     python -m scripts.bench --mode=memory --depth=6 --batch_size=2 --sequence_len=1024 --loops=12
         # peak memory of a training step, checkpoint_loops off/on, regional vs whole-model compile
     python -m scripts.bench --mode=loader     # data.DataLoader tokens/s on the embedded corpus
+    python -m scripts.bench --mode=syncs --depth=12 --sequence_len=64 --batch_size=1
+        # host syncs, operations and collectives per optimizer step, 8 ranks simulated in one process
     python -m scripts.bench --mode=lmeval     # lm_eval_flt: loglikelihoods at K=1,3,6,9,12 in one sweep vs five passes
     python -m scripts.bench --mode=hf         # transformers' generate on an exported folder vs model.generate
 Ratio timings alternate between the two sides and keep the median of several repeats, so
@@ -22,17 +24,20 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from flt import corpus
+from flt import corpus, diagnostics
 import data
 from configurator import configure
 from model import GPT, GPTConfig
-from flt.planning import peak_flops
+from flt.planning import consumed_tokens_per_s, peak_flops
 from flt.runtime import precision, resolve_dtype, setup, user_errors
-from optim import build_optimizers
+from optim import build_optimizers, clip_coefficient, reduce_gradients
 
-mode = "ratios"             # ratios | train | memory | loader | lmeval | hf (memory_step: one memory run)
+mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf (memory_step: one memory run)
 device = "cpu"              # cpu | cuda | cuda:N | mps; empty = cuda if there is one, else cpu
 depth = 4
 sequence_len = 256
@@ -44,7 +49,8 @@ variant = "FLT"             # train mode
 attn = "full"               # train mode: full | mla
 n_kv_head = None            # train mode: None = n_head
 window_pattern = "L"        # train mode
-vocab_size = 151644         # train mode: the Qwen3 vocabulary
+vocab_size = 151644         # train and syncs modes: the Qwen3 vocabulary (padded to 151,680)
+world_size = 8              # syncs mode: ranks simulated in this process by a fake process group
 checkpoint_loops = False    # train mode
 compile_mode = "regional"   # train mode: eager | regional (GPT.compile_regions) | whole (torch.compile(model))
 dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (runtime.precision)
@@ -62,13 +68,17 @@ with user_errors():  # a bad setting: its message and exit status 1, no tracebac
         raise ValueError(f"compile_mode={compile_mode!r}: expected one of {COMPILE_MODES}")
 
 
+def gpt_config(depth, **overrides):
+    """train.py's shape from depth: d_model = 64 * depth, ceil(d_model / 128) heads; overrides any field."""
+    n_embd = 64 * depth
+    n_head = math.ceil(n_embd / 128)
+    return GPTConfig(**dict(n_layer=depth, n_embd=n_embd, n_head=n_head, n_kv_head=n_head) | overrides)
+
+
 def make(variant="FLT", seq=sequence_len, vocab=4096, **kw):  # 4096: train.py's CPU BPE
     """(model, the autocast context to run it in), numerics from runtime.precision."""
     torch.manual_seed(0)
-    n_embd = 64 * depth  # train.py's shape from depth
-    n_head = math.ceil(n_embd / 128)
-    model = GPT(GPTConfig(**dict(n_layer=depth, n_embd=n_embd, n_head=n_head, n_kv_head=n_head, sequence_len=seq,
-                                 vocab_size=vocab, variant=variant, loops=loops) | kw))
+    model = GPT(gpt_config(depth, sequence_len=seq, vocab_size=vocab, variant=variant, loops=loops, **kw))
     model.init_weights()
     model.to(device)
     return model, precision(model, rt.device_type, dtype)
@@ -251,16 +261,69 @@ def memory():
 
 
 def loader():
-    """Tokens/s of the streaming loader (tokenization included), train.py's CPU defaults."""
+    """Tokens/s of the streaming loader (tokenization included; the tokenizer threads and prefetch as
+    train.py's) on the embedded corpus, against what one GPU consumes at the small and base shapes
+    (planning.consumed_tokens_per_s: the Qwen3 vocabulary, config/paper.py's T=1024, K=loops, 40% MFU)."""
     files = corpus.embedded_corpus(data_dir)
     tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
-    batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len)
+    batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len, prefetch=2)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         next(batches)
         n += 1
     tok_s = n * batch_size * sequence_len / (time.perf_counter() - t0)
-    print(f"loader: {tok_s:,.0f} tokens/s (B={batch_size}, T={sequence_len}, {os.cpu_count()} CPUs)")
+    print(f"loader: {tok_s:,.0f} tokens/s per process (B={batch_size}, T={sequence_len}, "
+          f"{os.environ['RAYON_NUM_THREADS']} tokenizer threads of {len(os.sched_getaffinity(0))} CPUs)")
+    for name, shape in (("small", 6), ("base", 12)):
+        with torch.device("meta"):
+            model = GPT(gpt_config(shape, sequence_len=1024, vocab_size=data.QWEN3_VOCAB, loops=loops))
+        need = consumed_tokens_per_s(model, "H100", 0.40)
+        print(f"{name} (depth {shape}, K={loops}): one H100 at 40% MFU consumes {need:,.0f} tokens/s; "
+              f"loader / consumption = {tok_s / need:.2f}")
+
+
+class Launches(TorchDispatchMode):
+    """Counts the operations dispatched inside the block (each a kernel launch on a GPU, views aside) and
+    among them the collectives (the c10d namespace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.collectives = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.collectives += func.namespace in ("c10d", "_c10d_functional")
+        return func(*args, **(kwargs or {}))
+
+
+def syncs():
+    """One optimizer step as train.py's loop takes it (forward and backward, the all-reduce of the squared
+    norms with the loop's numbers, the one read, the optimizer step), world_size ranks simulated by a fake
+    process group (its collectives move nothing): host syncs, operations and collectives it issues."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    model, autocast = make(variant, vocab=vocab_size)
+    optimizers = build_optimizers(model, distributed=True)
+    watched = diagnostics.watched_modules(model)
+    idx = torch.randint(0, vocab_size, (batch_size, sequence_len), device=device)
+
+    def step():
+        with autocast:
+            loss, looped = model(idx, idx, return_loops=True)
+        loss.backward()
+        flags = {name: torch.full((), 0.0, device=device) for name in ("preempted", "save_due")}
+        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid": looped.resid_norms.max()} | flags)
+        host = diagnostics.read(**summed, norms=diagnostics.gradient_norms(norms, watched),
+                                resid_norms=looped.resid_norms)
+        for opt in optimizers:
+            opt.step(grad_scale=clip_coefficient(host["norms"][0], 1.0))
+        model.zero_grad(set_to_none=True)
+    step()  # the optimizers' state is created
+    with diagnostics.count_host_reads() as reads, Launches() as launched:
+        step()
+    dist.destroy_process_group()
+    print(f"{variant} depth {depth} K={loops} vocab {model.config.padded_vocab:,} B={batch_size} T={sequence_len}, "
+          f"{world_size} ranks (fake process group), one optimizer step: {sum(reads.values())} host syncs "
+          f"{dict(reads)}, {launched.ops:,} operations, {launched.collectives} collectives")
 
 
 def lmeval():
@@ -345,7 +408,7 @@ def hf():
 
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
-             "lmeval": lmeval, "hf": hf}
+             "syncs": syncs, "lmeval": lmeval, "hf": hf}
     with user_errors():
         if mode not in modes:
             raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
+from flt import corpus  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,7 @@ def test_bos_token_configurable(tok, embedded, tmp_path):
 def test_load_tokenizer_from_hub_name(server, tok, tmp_path, monkeypatch):
     tok.save(str(tmp_path / "tokenizer.json"))
     server.files = {"/org/tiny/resolve/main/tokenizer.json": open(tmp_path / "tokenizer.json", "rb").read()}
-    monkeypatch.setattr(data, "HUB_URL", server.url + "/{name}/resolve/main/tokenizer.json")
+    monkeypatch.setattr(corpus, "TOKENIZER_URL", server.url + "/{name}/resolve/main/tokenizer.json")
     loaded = data.load_tokenizer("org/tiny", cache_dir=str(tmp_path / "cache"))
     assert loaded.encode(UNICODE) == tok.encode(UNICODE) and loaded.bos_id == tok.bos_id
     assert os.path.exists(tmp_path / "cache" / "org--tiny.tokenizer.json")
@@ -392,12 +393,12 @@ def test_loader_state_names_the_file(tok, tmp_path):
 
 
 def test_loader_tokenizes_next_row_group_in_background(tok, tmp_path, monkeypatch):
-    calls, tokenize = [], data.DataLoader._tokenize
+    calls, tokenize = [], data.DataLoader.tokenize
 
     def recorded(self, file, row_group):  # one file: row group = position
         calls.append((row_group, threading.current_thread() is threading.main_thread()))
         return tokenize(self, file, row_group)
-    monkeypatch.setattr(data.DataLoader, "_tokenize", recorded)
+    monkeypatch.setattr(data.DataLoader, "tokenize", recorded)
     files = [write_parquet(tmp_path / "a.parquet", [f"doc {i}: " + "word " * (3 * i) for i in range(12)])]
     loader, batches = data.DataLoader(files, tok, 2, 8), []
     while loader.state_dict()["row_group"] < 4:

@@ -30,9 +30,9 @@ def test_watched_norms_are_those_of_the_modules_the_figures_follow(n_layer, watc
     watch_layer's MLP and attention, -1 = the paper's "5th layer" (index 4) or the last of fewer."""
     model = model_with_gradients(n_layer)
     watched = diagnostics.watched_modules(model, watch_layer)
-    sq = {p: p.grad.double().square().sum().item() for p in model.parameters()}
-    got = diagnostics.module_norms(sq, watched)
-    want = {"grad_mlp_first": norm_of(model, "transformer.h.0.mlp."), "grad_lm_head": norm_of(model, "lm_head."),
+    sq = {p: p.grad.double().square().sum() for p in model.parameters()}
+    got = diagnostics.norm_record(diagnostics.gradient_norms(sq, watched).tolist(), watched)
+    want = {"grad_norm": norm_of(model, ""), "grad_mlp_first": norm_of(model, "transformer.h.0.mlp."), "grad_lm_head": norm_of(model, "lm_head."),
             "grad_mlp_mid": norm_of(model, f"transformer.h.{mid}.mlp."),
             "grad_attn_mid": norm_of(model, f"transformer.h.{mid}.attn.")}
     assert got.keys() == want.keys()
@@ -48,7 +48,7 @@ def test_clipped_norms_are_the_module_norms_after_torchs_clipping():
     watched = diagnostics.watched_modules(model)
     total = norm_of(model, "")
     for max_norm in (total / 3, 10 * total):  # clipping, and none
-        got = diagnostics.clipped_norms(model, watched, max_norm)
+        got = diagnostics.norm_record(diagnostics.own_gradient_norms(model, watched).tolist(), watched, max_norm)
         clipped = make_model("FLT", n_layer=6)
         for (_, p), (_, q) in zip(model.named_parameters(), clipped.named_parameters()):
             q.grad = p.grad.clone()

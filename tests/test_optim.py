@@ -180,7 +180,7 @@ def train_step(model, optimizers, idx, targets, step):
             group["lr"] = group["initial_lr"] * (1.0 - 0.2 * step)
     optimizers[1].param_groups[0]["momentum"] = 0.85 + 0.05 * step
     model(idx, targets).backward()
-    coefficient = clip_coefficient(math.sqrt(sum(reduce_gradients(optimizers).values())), CLIP)
+    coefficient = clip_coefficient(math.sqrt(sum(reduce_gradients(optimizers)[0].values())), CLIP)
     for opt in optimizers:
         opt.step(grad_scale=coefficient)
     model.zero_grad(set_to_none=True)
@@ -388,7 +388,7 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
     expected_norms = _averaged_grad_sq_norms(counted, world_size)
     traffic = {}
     originals = _count_bytes(traffic)
-    norms = reduce_gradients(counted_optimizers)
+    norms = {p: v.item() for p, v in reduce_gradients(counted_optimizers)[0].items()}
     for opt in counted_optimizers:
         opt.step()
     for name, original in originals.items():

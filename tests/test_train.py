@@ -153,6 +153,7 @@ def split_targets(val_file, tokenizer_json, batch, seq_len, n_tokens):
 def test_short_run_learns_logs_and_saves(tmp_path, data_dir):
     root = tmp_path / "runs"
     p = train(None, data_dir, f"--out_root={root}", "--num_steps=30", "--save_interval=10", f"--final_eval_tokens={2**20}",
+              "--log_clipped_norms",
               script=runner(tmp_path))
     assert os.listdir(root) == ["d1_flt_k3"]  # named by train.py: depth 1, FLT, K = 3
     out = root / "d1_flt_k3"
@@ -529,7 +530,8 @@ def test_dry_run_plans_the_paper_run_without_touching_anything(tmp_path):
     eager, eager_ckpt, compiled, compiled_ckpt = map(float, re.fullmatch(
         r" +eager ([\d.]+), checkpoint_loops ([\d.]+); compiled ([\d.]+), checkpoint_loops ([\d.]+)", lines[7]).groups())
     assert eager_ckpt < eager and compiled_ckpt < compiled < eager
-    assert lines[8:] == [f"  time        8 x H100: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%"]
+    assert lines[8:] == [f"  time        8 x H100: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%; "
+                         f"each GPU consumes {989.4e12 * 0.4 / flops / 1e6:.2f} M tokens/s at 40%"]
 
 
 def test_eval_computes_the_function_training_computed(tmp_path, data_dir):

@@ -1,0 +1,111 @@
+"""The training loop reads the device once per optimizer step (issue 28, point 2): counted as the
+difference between a short run of train.py and a longer one, and the logged numbers are those the
+loop logged before its reads were folded into one (values recorded from that code, same seed)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from flt import diagnostics
+from model import GPT, GPTConfig
+from optim import build_optimizers, reduce_gradients
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4", "--total_batch_size=128",
+        "--bpe_vocab_size=512", "--eval_interval=100", "--eval_tokens=256", "--sample_tokens=0",
+        "--momentum_warmup_steps=5", "--save_interval=100", "--log_clipped_norms"]
+# train.py runs in-process under diagnostics.count_host_reads; the counts are left beside the log.
+RUNNER = textwrap.dedent("""
+    import json, os, runpy, sys
+    sys.argv[0] = "train.py"
+    from flt import diagnostics
+    with diagnostics.count_host_reads() as counts:
+        g = runpy.run_path("train.py", run_name="__main__")
+    with open(os.path.join(g["out_dir"], "host_reads.json"), "w") as f:
+        json.dump(counts, f)
+""")
+# Steps 0 and 5 of the run below, logged by train.py before its host reads were folded into one
+# (commit 7d6a126): each step then read the stats, rank 0's own norms, the gradient norms and the
+# residual norms separately, and summed the squared norms in float64 on the host.
+BEFORE = {
+    0: {"loss": 6.237901210784912, "grad_norm": 0.9582258782242177, "grad_mlp_first": 0.018180940013909356,
+        "grad_lm_head": 0.9580475374126345, "grad_attn_mid": 0.0032174311552248106,
+        "grad_mlp_first_clipped": 0.01818094030022621, "grad_lm_head_clipped": 0.9580475687980652,
+        "grad_attn_mid_clipped": 0.003217431018128991, "resid_norms": [7.999999523162842] * 3},
+    5: {"loss": 5.60245418548584, "grad_norm": 1.5187118643508626, "grad_mlp_first": 1.0951673887616586,
+        "grad_lm_head": 1.0247154119889224, "grad_attn_mid": 0.23665156172834825,
+        "grad_mlp_first_clipped": 0.7211155358665482, "grad_lm_head_clipped": 0.674726268178222,
+        "grad_attn_mid_clipped": 0.15582377969831385,
+        "resid_norms": [8.15984058380127, 8.159844398498535, 8.159832954406738]},
+}
+
+
+def run(tmp_path, data_dir, steps):
+    out = tmp_path / f"run{steps}"
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    subprocess.run([sys.executable, str(script), *TINY, f"--num_steps={steps}", f"--out_dir={out}",
+                    f"--data_dir={data_dir}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
+                   check=True, capture_output=True, timeout=300)
+    with open(out / "log.jsonl") as f:
+        records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+    with open(out / "host_reads.json") as f:
+        return records, json.load(f)
+
+
+def test_one_host_read_per_optimizer_step_and_the_logged_numbers_unchanged(tmp_path, data_dir):
+    short, short_reads = run(tmp_path, data_dir, 4)
+    long, long_reads = run(tmp_path, data_dir, 6)
+    per_step = {k: (long_reads.get(k, 0) - short_reads.get(k, 0)) / 2 for k in long_reads.keys() | short_reads}
+    assert {k: n for k, n in per_step.items() if n} == {"tolist": 1}, (short_reads, long_reads)
+    for step, want in BEFORE.items():
+        got = long[step]
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), (step, key)
+        assert got["grad_mlp_mid"] == got["grad_mlp_first"]  # depth 1: one block
+
+
+def test_reduce_gradients_sums_the_callers_numbers_in_its_one_all_reduce():
+    """8 ranks simulated with a fake process group (no communication: each 'rank' sees its own values)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=1, n_kv_head=1, n_embd=16, loops=2))
+    model.init_weights()
+    idx = torch.randint(0, 32, (2, 8))
+    model(idx, idx).backward()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    calls = []
+    all_reduce = dist.all_reduce
+    try:
+        dist.all_reduce = lambda tensor, *a, **k: calls.append(tensor.numel()) or all_reduce(tensor, *a, **k)
+        optimizers = build_optimizers(model, distributed=True)
+        with diagnostics.count_host_reads() as reads:
+            norms, summed = reduce_gradients(optimizers, {"loss": torch.tensor(2.5), "flag": torch.tensor(1.0)})
+    finally:
+        dist.all_reduce = all_reduce
+        dist.destroy_process_group()
+    params = list(model.parameters())
+    assert calls == [len(params) + 2] and sum(reads.values()) == 0
+    assert norms.keys() == set(params) and summed.keys() == {"loss", "flag"}
+    assert all(n.dim() == 0 for n in norms.values()) and summed["loss"].item() == 2.5
+
+
+def test_read_is_one_copy_and_keeps_names_and_shapes():
+    with diagnostics.count_host_reads() as reads:
+        host = diagnostics.read(a=torch.tensor(1.5), b=torch.arange(3.0), skipped=None, c=torch.tensor([4.0]))
+    assert host == {"a": 1.5, "b": [0.0, 1.0, 2.0], "c": [4.0]} and dict(reads) == {"tolist": 1}
+
+
+def test_bench_counts_one_host_sync_and_the_collectives_of_a_step():
+    """scripts/bench.py --mode=syncs at a tiny shape, 8 simulated ranks. Depth 1: 6 matrices of 3 shapes (3
+    Muon blocks of up to 8) and 2 AdamW parameters: 5 reduce-scatters, 5 all-gathers and 1 all-reduce."""
+    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=syncs", "--depth=1", "--vocab_size=512",
+                        "--sequence_len=16", "--batch_size=1"], cwd=ROOT, capture_output=True, text=True, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert "one optimizer step: 1 host syncs {'tolist': 1}" in p.stdout and p.stdout.rstrip().endswith(
+        " 11 collectives"), p.stdout
