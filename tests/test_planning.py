@@ -4,8 +4,6 @@ horizon, batch split, shards, what a resume may change."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,8 @@ from model import GPT, GPTConfig
 from optim import build_optimizers, reduce_gradients
 from flt.planning import PEAK_FLOPS, estimate_memory, peak_flops
 from flt.runtime import precision, resolve_dtype
-from test_configs import ROOT, grad_accum, model_config, train_defaults
+from test_configs import grad_accum, model_config, train_defaults
+from test_train import python
 
 
 def measured_peak(model, idx, loops, tmp_path):
@@ -228,8 +227,7 @@ def test_run_dir_is_named_by_what_makes_the_run_different(changes, path):
 
 def dry_run(*args):
     """The lines of `python train.py <args> --dry_run`: train.py's own arithmetic, nothing trained."""
-    p = subprocess.run([sys.executable, "train.py", *args, "--dry_run"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = python("train.py", *args, "--dry_run", timeout=120)  # forked from a process that imported torch
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
 
