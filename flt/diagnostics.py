@@ -35,7 +35,7 @@ def gradient_norms(sq_norms, watched):
     """(1 + len(watched),) tensor on the device: the L2 norm of the whole gradient, then of each watched
     module's, from {parameter: squared norm of its gradient (0-d tensor)}; no host read."""
     parts = [list(sq_norms.values())] + [[sq_norms[p] for p in m.parameters()] for m in watched.values()]
-    return torch.stack([torch.stack(sq).sum() for sq in parts]).sqrt()
+    return torch.stack([torch.stack(sq).double().sum() for sq in parts]).sqrt()  # float64, as a host sum was
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def read(**tensors):
     """{name: a float (0-d tensor) or a list (1-D)} of the tensors given (None: left out), in one
     device-to-host copy: the training loop's one host sync per step."""
     tensors = {k: t for k, t in tensors.items() if t is not None}
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors.values()]).tolist()
+    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors.values()]).tolist()  # float64: exact
     out, start = {}, 0
     for name, t in tensors.items():
         out[name] = flat[start] if t.dim() == 0 else flat[start:start + t.numel()]
