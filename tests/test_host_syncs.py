@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from flt import diagnostics
+from test_train import python
 from model import GPT, GPTConfig
 from optim import build_optimizers, reduce_gradients
 
@@ -50,9 +51,8 @@ def run(tmp_path, data_dir, steps):
     out = tmp_path / f"run{steps}"
     script = tmp_path / "runner.py"
     script.write_text(RUNNER)
-    subprocess.run([sys.executable, str(script), *TINY, f"--num_steps={steps}", f"--out_dir={out}",
-                    f"--data_dir={data_dir}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
-                   check=True, capture_output=True, timeout=300)
+    p = python(str(script), *TINY, f"--num_steps={steps}", f"--out_dir={out}", f"--data_dir={data_dir}")
+    assert p.returncode == 0, p.stderr
     with open(out / "log.jsonl") as f:
         records = {r["step"]: r for r in map(json.loads, f) if "loss" in r}
     with open(out / "host_reads.json") as f:
@@ -67,7 +67,8 @@ def test_one_host_read_per_optimizer_step_and_the_logged_numbers_unchanged(tmp_p
     for step, want in BEFORE.items():
         got = long[step]
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-5), (step, key)
+            # float64 sums, as before; the authors'-view norms were fp32 before, float64 now
+            assert got[key] == pytest.approx(value, rel=1e-6 if key.endswith("_clipped") else 1e-12), (step, key)
         assert got["grad_mlp_mid"] == got["grad_mlp_first"]  # depth 1: one block
 
 
