@@ -78,8 +78,8 @@ class GPTConfig:
 
 
 def norm(x):
-    # Parameter-free RMSNorm as the authors call it: fp32 math and eps whatever x's dtype (CUDA autocast: fp32
-    # out), so x0 = norm(e) of a bf16 embedding is not shrunk by bf16's eps (0.0078). On CPU as fast as a formula.
+    # Parameter-free RMSNorm as the authors' nanochat/gpt.py calls it: fp32 math and eps whatever x's dtype
+    # (CUDA autocast: fp32 out), so norm(e) of a bf16 embedding is not shrunk by bf16's eps (0.0078).
     return F.rms_norm(x, (x.size(-1),))
 
 
