@@ -77,6 +77,11 @@ def muon_update(grad, momentum_buffer, momentum, ns_dtype=None):
     return update * max(1.0, grad.size(0) / grad.size(1)) ** 0.5
 
 
+def squared_norm(g):
+    """A 0-d tensor: the sum of g's squares in at least fp32 (a float64 run's exactly, as tests compare)."""
+    return g.to(torch.promote_types(g.dtype, torch.float32)).square().sum()
+
+
 class _Sharded(torch.optim.Optimizer):
     """The module docstring's cycle, and a state dict tied to (world_size, rank). Subclasses
     reduce-scatter the gradients into the pieces this rank updates (_reduce_scatter_grads),
@@ -130,8 +135,8 @@ class _Sharded(torch.optim.Optimizer):
     def grad_sq_norms(self):
         """{param: this rank's share of its averaged gradient's squared norm} (sum over ranks)."""
         reduced = self._averaged()
-        return {p: reduced[p].float().square().sum() if p in reduced
-                else torch.zeros((), device=p.device) for p in self._params()}
+        squares = {p: squared_norm(g) for p, g in reduced.items()}
+        return {p: squares.get(p, torch.zeros((), device=p.device)) for p in self._params()}
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):

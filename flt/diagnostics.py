@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from optim import clip_coefficient
+from optim import clip_coefficient, squared_norm
 from flt.runtime import atomic_write
 
 
@@ -43,8 +43,7 @@ def own_gradient_norms(model, watched):
     """gradient_norms of this rank's own gradient (before the ranks are averaged): the authors'
     diagnostic script (scripts/base_check.py) logs them, clipped by norm_record. An extra pass over every
     gradient: train.py's log_clipped_norms asks for it."""
-    return gradient_norms({p: p.grad.float().square().sum() for p in model.parameters() if p.grad is not None},
-                          watched)
+    return gradient_norms({p: squared_norm(p.grad) for p in model.parameters() if p.grad is not None}, watched)
 
 
 def norm_record(norms, watched, max_norm=None):
