@@ -167,6 +167,13 @@ def make_model(n_blocks=3):
     return TinyModel(n_blocks)
 
 
+def float64_setup(distributed=False):
+    """The model and optimizers of the runs compared below, in float64 (Newton-Schulz too): one function
+    computed two ways then agrees to ~1e-16 relative, on every CPU's kernels, far below any fault."""
+    model = make_model().double()
+    return model, build_optimizers(model, distributed=distributed, ns_dtype=torch.float64)
+
+
 def make_batch():
     gen = torch.Generator().manual_seed(3)
     idx, targets = torch.randint(0, VOCAB, (2, 4, 8), generator=gen)
@@ -301,9 +308,8 @@ def test_grad_scale_equals_prescaled_gradient():
 def resume_and_step(checkpoint, distributed, idx, targets, step):
     """Fresh model and optimizers from a checkpoint (tensors and numbers only), one step."""
     checkpoint = torch.load(checkpoint, weights_only=True)
-    model = make_model()
+    model, optimizers = float64_setup(distributed)
     model.load_state_dict(checkpoint["model"])
-    optimizers = build_optimizers(model, distributed=distributed)
     for opt, state in zip(optimizers, checkpoint["optim"]):
         opt.load_state_dict(state)
     train_step(model, optimizers, idx, targets, step)
@@ -312,8 +318,7 @@ def resume_and_step(checkpoint, distributed, idx, targets, step):
 
 def test_save_restore_matches_uninterrupted_run():
     idx, targets = make_batch()
-    model = make_model()
-    optimizers = build_optimizers(model)
+    model, optimizers = float64_setup()
     for step in range(2):
         train_step(model, optimizers, idx, targets, step)
     checkpoint = save(dict(model=model.state_dict(), optim=[o.state_dict() for o in optimizers]))
@@ -361,8 +366,7 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
     idx, targets = make_batch()
     half = idx.size(0) // world_size
     idx, targets = idx[rank * half:(rank + 1) * half], targets[rank * half:(rank + 1) * half]
-    model = make_model()
-    optimizers = build_optimizers(model, distributed=True)
+    model, optimizers = float64_setup(distributed=True)
     coefficients = [train_step(model, optimizers, idx, targets, step) for step in range(2)]
     checkpoint = save(dict(model=model.state_dict(), optim=[o.state_dict() for o in optimizers]))
     coefficients.append(train_step(model, optimizers, idx, targets, 2))
@@ -434,8 +438,7 @@ def distributed_results(tmp_path_factory):
 def single_process_run():
     """The same three steps by one process on the whole batch, with the same optimizers."""
     idx, targets = make_batch()
-    model = make_model()
-    optimizers = build_optimizers(model)
+    model, optimizers = float64_setup()
     coefficients = [train_step(model, optimizers, idx, targets, step) for step in range(3)]
     return params_of(model), coefficients
 
@@ -448,12 +451,12 @@ def test_distributed_matches_single_process(distributed_results, single_process_
         assert torch.equal(rank1["params"][name], p), name
     # Clipping was active, and both runs clipped by the norm of the full-batch gradient.
     assert max(coefficients) < 1
-    assert rank0["coefficients"] == pytest.approx(coefficients, rel=1e-6)
-    # Averaging two half-batch gradients = the full-batch gradient up to rounding (~1e-7
-    # relative); Adam's division by sqrt(v) passes that on to the step, and the embedding
-    # (lr 0.2 * sqrt(768 / 15) = 1.4) reaches entries of 5, hence rtol 1e-6 too.
+    assert rank0["coefficients"] == pytest.approx(coefficients, rel=1e-12)
+    # Averaging two half-batch gradients = the full-batch gradient up to float64 rounding (~1e-16
+    # relative); Adam's division by sqrt(v) passes that on to the step, and the embedding (lr
+    # 0.2 * sqrt(768 / 15) = 1.4) reaches entries of 5: 1e-10 is far above that, far below a fault.
     for name, expected in params.items():
-        torch.testing.assert_close(rank0["params"][name], expected, rtol=1e-6, atol=1e-6,
+        torch.testing.assert_close(rank0["params"][name], expected, rtol=1e-10, atol=1e-10,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -557,22 +560,22 @@ def test_optimizer_state_reshards_exactly_between_world_sizes(distributed_result
     equals the state a single process reaches on the same steps (an independent computation)."""
     from flt import checkpoint
     idx, targets = make_batch()
-    single = build_optimizers(model := make_model())
+    model, single = float64_setup()
     for step in range(3):
         train_step(model, single, idx, targets, step)
-    for i, opt in enumerate(build_optimizers(make_model())):  # 2 -> 1
+    for i, opt in enumerate(float64_setup()[1]):  # 2 -> 1
         saved = [result["optimizer_states"][i] for result in distributed_results]
         whole = checkpoint.full_optimizer_state(opt, saved)
         checkpoint.load_optimizer(opt, saved)
         assert_same_state(checkpoint.full_optimizer_state(opt, [opt.state_dict()]), whole, rtol=0, atol=0)
-        assert_same_state(whole, checkpoint.full_optimizer_state(opt, [single[i].state_dict()]), rtol=0, atol=1e-6)
+        assert_same_state(whole, checkpoint.full_optimizer_state(opt, [single[i].state_dict()]), rtol=0, atol=1e-10)
     for i, opt in enumerate(single):  # 1 -> 2: each rank keeps its pieces, as the 2-rank run's own
         saved = [opt.state_dict()]
-        ranks = [as_rank(build_optimizers(make_model()), r, 2)[i] for r in range(2)]
+        ranks = [as_rank(float64_setup()[1], r, 2)[i] for r in range(2)]
         for r, sharded in enumerate(ranks):
             checkpoint.load_optimizer(sharded, saved)
             assert_same_state(sharded.state_dict()["state"], distributed_results[r]["optimizer_states"][i]["state"],
-                              rtol=0, atol=1e-6)
+                              rtol=0, atol=1e-10)
         resharded = [sharded.state_dict() for sharded in ranks]
         assert_same_state(checkpoint.full_optimizer_state(opt, resharded),
                           checkpoint.full_optimizer_state(opt, saved), rtol=0, atol=0)
