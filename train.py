@@ -255,7 +255,7 @@ log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_
 if resharded:
     log.write(resharded)
 bptt = None if bptt_loops == -1 else bptt_loops
-peak = planning.peak_flops(torch.cuda.get_device_name(device)) if cuda else None  # FLOP/s, for MFU
+peak = planning.peak_flops(torch.cuda.get_device_name(device) if cuda else str(device))  # or None
 last_good = ckpt_path  # the checkpoint a failed run points back to
 # SIGTERM / SIGUSR1 end the run at the next step's end, with a checkpoint (cluster.py); so may a clock
 preemption = cluster.Preemption()
