@@ -7,12 +7,13 @@ import re
 import shutil
 import statistics
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, norm, restart
+from model import GPT, ExitRule, norm, restart
 from optim import sample_loops
 from test_model import ATTENTION, VARIANTS, make_config, make_model, random_tokens
 from test_train import losses, runner, train
@@ -193,8 +194,7 @@ RECORD_LOOPS = textwrap.dedent("""
 """)
 
 
-def test_sampled_loops_same_on_every_rank_and_after_resume(tmp_path, monkeypatch):
-    data_dir = str(tmp_path / "data")
+def test_sampled_loops_same_on_every_rank_and_after_resume(tmp_path, data_dir, monkeypatch):
     args = ["--num_steps=8", "--save_interval=4", "--total_batch_size=256", "--sample_tokens=0",
             "--loops_sampler=uniform", "--loops_min=1", "--loops_max=5", "--bptt_loops=2"]
     full, cut = tmp_path / "full", tmp_path / "cut"
@@ -250,3 +250,23 @@ def test_plot_exit_draws_both_curves_per_run(tmp_path):
     assert list(gated.get_xdata()) == [2.4, 6] and list(gated.get_ydata()) == [2.5, 2.3]
     assert fixed.get_label() == "FLT K=4 (uniform): K loops for every token"
     assert os.path.isfile(tmp_path / "exit.png")
+
+
+def test_a_position_exits_when_kl_of_the_previous_loop_from_the_current_is_below_the_threshold():
+    """Huginn's rule: exit at loop t once KL(p(t-1) || p(t)) < threshold. Two positions whose loops 1 and 2
+    predict (0.9, 0.1) and (0.6, 0.4), in either order: the two directions of KL differ (0.226 and 0.311
+    nats), so with a threshold between them exactly one position exits, the one the direction names."""
+    p = torch.tensor([[0.9, 0.1], [0.6, 0.4]], dtype=torch.float64)
+    loop1, loop2 = p[None], p.flip(0)[None]  # (B=1, T=2, V=2): position 1 has loop 1 and 2 swapped
+    kl = (loop1 * (loop1 / loop2).log()).sum(-1)  # KL(p(1) || p(2)), written out
+    assert kl[0, 0] < 0.27 < kl[0, 1]
+    cache = SimpleNamespace(loops=3, fill=lambda *args: None)
+    rule = ExitRule(0.27, torch.zeros(1, 2, dtype=torch.long), lambda h: h, cache)  # the head: logits = h
+    hs = [loop1.log()]
+    assert not rule.update(hs)
+    hs.append(loop2.log())
+    rule.update(hs)
+    assert rule.exit_loops.tolist() == [[2, 3]] and rule.done.tolist() == [[True, False]]
+    hs.append(hs[-1] + 1.0)  # loop 3: position 0 keeps its loop-2 state
+    rule.update(hs)
+    assert torch.equal(hs[2][0, 0], hs[1][0, 0]) and not torch.equal(hs[2][0, 1], hs[1][0, 1])
