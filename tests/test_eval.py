@@ -986,8 +986,8 @@ def test_a_bad_device_or_dtype_is_the_same_error_in_every_script(tmp_path, monke
 
 
 def test_the_command_line_says_it_without_a_traceback(tmp_path):
-    """The real commands: eval.py and bench.py with --device=cuda on a machine without CUDA (the issue's
-    case) print one line and exit 1; bf16 runs on the CPU (bench.py here, eval.py below)."""
+    """The real commands: eval.py and bench.py with --device=cuda on a machine without CUDA (a user's
+    likely slip) print one line and exit 1; bf16 runs on the CPU (bench.py here, eval.py below)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     _, _, step = save_checkpoint(tmp_path)

@@ -1,4 +1,4 @@
-"""The loader keeps up (issue 28, point 6): each rank's tokenizer threads, and how many row groups it
+"""The loader keeps up with what a GPU consumes: each rank's tokenizer threads, and how many row groups it
 keeps tokenized ahead (loader_prefetch)."""
 import os
 import subprocess

@@ -100,7 +100,7 @@ def test_estimate_memory_states_and_scale():
     assert sum(v for k, v in m.items() if k != "total") == m["total"]
     gib = {(c, k): estimate_memory(model, 8, loops=12, compiled=c, checkpoint_loops=k)["total"] / 2**30
            for c in (False, True) for k in (False, True)}
-    # the scale: eager ~77 GiB and compiled ~50 GiB by a CPU-based estimate
+    # the scale of a base model at K=12: eager ~77 GiB and compiled ~50 GiB by a CPU-based estimate
     assert 50 < gib[False, False] < 80 and 25 < gib[True, False] < 50
     assert gib[False, True] < 0.4 * gib[False, False] and gib[True, True] < gib[True, False]
 
