@@ -226,7 +226,8 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
     peak = peak_flops(name)
     hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
     return (f"run plan for {s['out_dir']} (nothing downloaded or trained)\n"
-            f"  model       {config.variant}, K={config.loops}, depth {s['depth']}, vocab {config.vocab_size:,} "
+            f"  model       {config.variant}, K={config.loops}, depth {s['depth']} (d_model {config.n_embd}, "
+            f"{config.n_head} heads, {config.n_kv_head} kv), vocab {config.vocab_size:,} "
             f"(padded {config.padded_vocab:,})\n"
             f"  parameters  {params['all']:,} all, {params['non_embedding']:,} without the token embedding\n"
             f"  horizon     {steps:,} steps x {batch:,} tokens = {tokens:.3e} tokens "

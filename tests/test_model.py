@@ -513,6 +513,22 @@ def test_generate_seed_is_reproducible():
     torch.testing.assert_close(sample(5, top_k=10), sample(5, top_k=10), atol=0, rtol=0)
 
 
+def test_sampling_is_the_softmax_of_the_top_k_logits_over_the_temperature():
+    """The first sampled token, for many seeds: a draw, with a generator seeded alike, from softmax(z / T)
+    over the k largest logits z of a full forward (the rest get probability 0), written out here."""
+    model = make_model("FLT", "full").double()
+    idx = random_tokens(1, 6)
+    with torch.no_grad():
+        z = model(idx, loops=2)[0, -1]
+    kept = z >= z.topk(5).values[-1]
+    probs = torch.where(kept, (z / 0.7).exp(), torch.zeros_like(z))
+    probs = probs / probs.sum()
+    for seed in range(20):
+        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
+        got = next(model.generate(idx, 1, temperature=0.7, top_k=5, seed=seed, loops=2))
+        assert got.item() == want.item(), seed
+
+
 # ----------------------------------------------------------------------------------
 # 6. One pass at K gives every K' <= K; per-loop losses; residual norms
 

@@ -240,9 +240,20 @@ def test_horizon_is_20_tokens_per_parameter():
     assert lines[2] == f"  parameters  {n_all:,} all, {n_non_embedding:,} without the token embedding"
     assert 20 * n_all // 4096 == 3200 and 20 * n_non_embedding // 4096 == 2560
     assert lines[3].startswith("  horizon     3,200 steps x 4,096 tokens") and "the other count: 2,560 steps" in lines[3]
+    lines = dry_run("--depth=2", "--bpe_vocab_size=1000", "--num_steps=-1", "--horizon_params=non_embedding",
+                    "--total_batch_size=4096")
+    assert lines[3].startswith("  horizon     2,560 steps x 4,096 tokens") and "the other count: 3,200 steps" in lines[3]
     lines = dry_run("--depth=2", "--num_steps=-1", "--horizon_params=non_embedding", f"--total_batch_size={2**30}")
     assert lines[3].startswith("  horizon     1 steps x")  # at least a step
     assert dry_run("--depth=2")[3].startswith("  horizon     250 steps x")  # num_steps, when given
+
+
+def test_the_shape_follows_from_depth():
+    """The paper's backbone from one integer: d_model = 64 * depth, heads of at most 128 dimensions (n_head =
+    ceil(d_model / 128)), kv heads = heads unless n_kv_head is given (GQA)."""
+    for depth, d, heads in ((1, 64, 1), (3, 192, 2), (12, 768, 6), (20, 1280, 10)):
+        assert f"depth {depth} (d_model {d}, {heads} heads, {heads} kv)" in dry_run(f"--depth={depth}")[1]
+    assert "(d_model 768, 6 heads, 2 kv)" in dry_run("--depth=12", "--n_kv_head=2")[1]
 
 
 def test_grad_accum_splits_the_batch_over_ranks_and_forwards():

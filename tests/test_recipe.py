@@ -195,6 +195,8 @@ def test_the_schedules_reach_every_group_also_after_a_resume(tmp_path, data_dir)
             "--loops_sampler=uniform", "--loops_min=1", "--loops_max=4", "--bptt_loops=2")
     steps, calls, _ = run(tmp_path, data_dir, "full", *args)
     assert_schedule(calls, 10, warmdown_frac=0.5)
+    saved = sorted(n for n in os.listdir(tmp_path / "full") if n.startswith("step_"))
+    assert saved == ["step_000005", "step_000010"]  # every save_interval steps and the last, not the first
     os.makedirs(tmp_path / "cut")
     shutil.copytree(tmp_path / "full" / "step_000005", tmp_path / "cut" / "step_000005")
     _, calls, _ = run(tmp_path, data_dir, "cut", *args, "--resume")

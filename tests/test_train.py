@@ -507,7 +507,7 @@ def test_dry_run_plans_the_paper_run_without_touching_anything(tmp_path):
     lines = p.stdout.splitlines()
     assert lines[:6] == [
         f"run plan for {tmp_path / 'out' / 'base_flt_k9'} (nothing downloaded or trained)",
-        "  model       FLT, K=9, depth 12, vocab 151,669 (padded 151,680)",
+        "  model       FLT, K=9, depth 12 (d_model 768, 6 heads, 6 kv), vocab 151,669 (padded 151,680)",
         f"  parameters  {n_all:,} all, {n_all - V * d:,} without the token embedding",
         f"  horizon     {steps:,} steps x 524,288 tokens = {tokens:.3e} tokens (horizon_params='all'; "
         f"the other count: {20 * (n_all - V * d) // batch:,} steps)",
