@@ -60,7 +60,7 @@ def list_checkpoints(out_dir):
     return sorted(found)
 
 
-def _load(path, device="cpu"):
+def load_file(path, device="cpu"):
     """torch.load with weights_only=True; any failure becomes a ValueError naming the file."""
     try:
         return torch.load(path, map_location=device, weights_only=True)
@@ -74,7 +74,7 @@ def _load(path, device="cpu"):
 def read_model_file(step_dir, device="cpu"):
     """The dict in step_dir/model.pt, checked for its format."""
     path = os.path.join(step_dir, "model.pt")
-    meta = _load(path, device)
+    meta = load_file(path, device)
     if not isinstance(meta, dict) or "model" not in meta or "config" not in meta:
         raise ValueError(f"{path}: not a model checkpoint (expected a dict with 'model' and 'config')")
     if meta.get("format", 1) != FORMAT:
@@ -170,8 +170,8 @@ def load_rank_states(step_dir, meta, rank, world_size, device="cpu"):
     state, in rank order, on the CPU: load_optimizer and data.DataLoader continue from them."""
     saved = saved_world(step_dir, meta)
     if saved == world_size:
-        return [_load(os.path.join(step_dir, f"rank{rank}.pt"), device)]
-    return [_load(os.path.join(step_dir, f"rank{r}.pt")) for r in range(saved)]
+        return [load_file(os.path.join(step_dir, f"rank{rank}.pt"), device)]
+    return [load_file(os.path.join(step_dir, f"rank{r}.pt")) for r in range(saved)]
 
 
 def full_optimizer_state(opt, states):
@@ -284,6 +284,13 @@ def _save(obj, path):
         os.fsync(f.fileno())  # on disk before the directory is renamed into place
 
 
+def write_model_file(step_dir, state, config, step, settings, **extra):
+    """step_dir/model.pt, this format's one layout: the weights (a state dict), the GPTConfig, the
+    step, the settings and the format number; extra: more keys (save's world_size)."""
+    meta = dict(model=state, config=asdict(config), step=step, settings=settings, format=FORMAT)
+    _save(meta | extra, os.path.join(step_dir, "model.pt"))
+
+
 # Free space a checkpoint asks for beyond its estimate: a fraction, and bytes for the files whose
 # size is known only once written (tokenizer.json: Qwen3's is 11 MB) and the filesystem's overhead.
 SPACE_MARGIN, SPACE_SLACK = 0.05, 16 * 2**20
@@ -385,8 +392,7 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
         runtime.check_free_space(out_dir, needed, what(rank), hint)
         if rank == 0:
             os.makedirs(tmp)
-            _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT,
-                       world_size=world), os.path.join(tmp, "model.pt"))
+            write_model_file(tmp, state, model.config, step, settings, world_size=world)
             for name, write in (files or {}).items():
                 write(os.path.join(tmp, name))
 
