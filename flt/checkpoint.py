@@ -4,6 +4,7 @@ Checkpoints and run directories: how a multi-day run never loses work.
     out_dir/
         run.lock            held (flock) by the run writing here; the file itself means nothing
         log.jsonl           one JSON line per step (train.py)
+        imported.json       only in a run imported from the authors' code (flt/authors.py): never resumed
         step_000500/        model.pt: weights, config, step, settings, format
                             rank0.pt ... rankN.pt: each rank's optimizer shard, loader position, RNG
                             tokenizer.json: the tokenizer the weights were trained with
@@ -430,12 +431,16 @@ def prune(out_dir, keep, keep_every=0):
 # ------------------------------------------------------------------------------------
 # The run directory: one run at a time, and a fresh run never mixes with an old one.
 
-RUN_FILES = ("log.jsonl", "wandb.json")  # wandb.json: tracking.py's W&B run id
+# wandb.json: tracking.py's W&B run id. imported.json: a run the authors' code trained, brought in
+# by scripts/import_authors.py (flt/authors.py) without their optimizer state: never resumed.
+IMPORTED = "imported.json"
+RUN_FILES = ("log.jsonl", "wandb.json", IMPORTED)
 
 
 def prepare_out_dir(out_dir, resume, overwrite):
-    """Check out_dir before any work: writable; resume=True needs a checkpoint; a fresh run refuses a
-    directory holding another run unless overwrite=True (which deletes that run's files).
+    """Check out_dir before any work: writable; resume=True needs a checkpoint, of this code's (an
+    imported run has no optimizer state: IMPORTED); a fresh run refuses a directory holding
+    another run unless overwrite=True (which deletes that run's files).
     resume="auto" (a job's first submission and every requeue): resume if out_dir holds a checkpoint,
     else start fresh, replacing the log of a run that never saved one."""
     try:
@@ -452,6 +457,10 @@ def prepare_out_dir(out_dir, resume, overwrite):
     if resume:
         if not steps:
             raise FileNotFoundError(f"--resume: no checkpoint (step_NNNNNN/model.pt) in out_dir={out_dir!r}")
+        if os.path.isfile(os.path.join(out_dir, IMPORTED)):  # a fresh optimizer: another run
+            raise ValueError(f"--resume: out_dir={out_dir!r} holds a run imported from the authors'"
+                             f" code ({IMPORTED}) without their optimizer state, so it cannot be "
+                             f"continued here; evaluate or export it, or train a new run elsewhere")
     elif found and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} already holds a run ({', '.join(found[-3:])}): continue it "
                          f"with --resume, choose another --out_dir, or delete it with --overwrite")
