@@ -177,11 +177,11 @@ def tokens(c, B=2, seed=1):
     return torch.randint(0, c["vocab_size"], (B, c["sequence_len"]), generator=g)
 
 
-def imported(tmp_path, tokenizer, c, **kwargs):
+def imported(tmp_path, tokenizer, c):
     """Their checkpoint of config c, imported: (their state, our model in float64, its meta)."""
     state = write_theirs(str(tmp_path / "theirs"), c)
     authors.import_run(str(tmp_path / "theirs"), str(tmp_path / "run"), tokenizer=tokenizer,
-                       log=lambda *a: None, **kwargs)
+                       log=lambda *a: None)
     model, meta = checkpoint.load_model(str(tmp_path / "run"), log=lambda *a: None)
     return state, model.double().eval(), meta
 
@@ -258,23 +258,23 @@ def test_newest_step_by_default_and_step_picks_one(tokenizer, tmp_path):
 
 
 def test_the_run_works_as_any_run_here(tokenizer, tmp_path):
-    """load_model + generate (the exact cache: the greedy tokens of a full forward per token), the
-    Hugging Face export read back, and train.py --resume refused before any work."""
+    """load_model + generate (the exact cache: the greedy tokens of a full forward per token),
+    train.py --resume refused before any work, and the Hugging Face export read back."""
     c = BASE | dict(model_type="FLT", window_pattern="SL")
-    _, model, meta = imported(tmp_path, tokenizer, c)
+    _, model, _ = imported(tmp_path, tokenizer, c)
     model = model.float()
     idx = tokens(c, B=1)[:, :6]
     generated = torch.cat(list(model.generate(idx, 6, temperature=0)), dim=1)
     assert torch.equal(generated, greedy_by_full_forward(model, idx, 6, c["K"]))
-    pytest.importorskip("safetensors")
+    for resume in (True, "auto"):
+        with pytest.raises(ValueError, match="imported from the authors' code .* cannot be"):
+            checkpoint.prepare_out_dir(str(tmp_path / "run"), resume=resume, overwrite=False)
+    pytest.importorskip("safetensors")  # requirements/hf.txt
     from scripts import export_hf
     folder = export_hf.export(str(tmp_path / "run"), str(tmp_path / "hf"), log=lambda *a: None)
     exported, _ = checkpoint.load_model(folder)
     with torch.no_grad():
         assert torch.equal(exported(idx), model(idx))
-    for resume in (True, "auto"):
-        with pytest.raises(ValueError, match="imported from the authors' code .* cannot be"):
-            checkpoint.prepare_out_dir(str(tmp_path / "run"), resume=resume, overwrite=False)
 
 
 def test_the_command_and_eval_py_open_it(tokenizer, tmp_path):
