@@ -4,6 +4,7 @@ Checkpoints and run directories: how a multi-day run never loses work.
     out_dir/
         run.lock            held (flock) by the run writing here; the file itself means nothing
         log.jsonl           one JSON line per step (train.py)
+        imported.json       only in a run imported from the authors' code (flt/authors.py): never resumed
         step_000500/        model.pt: weights, config, step, settings, format
                             rank0.pt ... rankN.pt: each rank's optimizer shard, loader position, RNG
                             tokenizer.json: the tokenizer the weights were trained with
@@ -60,7 +61,7 @@ def list_checkpoints(out_dir):
     return sorted(found)
 
 
-def _load(path, device="cpu"):
+def load_file(path, device="cpu"):
     """torch.load with weights_only=True; any failure becomes a ValueError naming the file."""
     try:
         return torch.load(path, map_location=device, weights_only=True)
@@ -74,7 +75,7 @@ def _load(path, device="cpu"):
 def read_model_file(step_dir, device="cpu"):
     """The dict in step_dir/model.pt, checked for its format."""
     path = os.path.join(step_dir, "model.pt")
-    meta = _load(path, device)
+    meta = load_file(path, device)
     if not isinstance(meta, dict) or "model" not in meta or "config" not in meta:
         raise ValueError(f"{path}: not a model checkpoint (expected a dict with 'model' and 'config')")
     if meta.get("format", 1) != FORMAT:
@@ -170,8 +171,8 @@ def load_rank_states(step_dir, meta, rank, world_size, device="cpu"):
     state, in rank order, on the CPU: load_optimizer and data.DataLoader continue from them."""
     saved = saved_world(step_dir, meta)
     if saved == world_size:
-        return [_load(os.path.join(step_dir, f"rank{rank}.pt"), device)]
-    return [_load(os.path.join(step_dir, f"rank{r}.pt")) for r in range(saved)]
+        return [load_file(os.path.join(step_dir, f"rank{rank}.pt"), device)]
+    return [load_file(os.path.join(step_dir, f"rank{r}.pt")) for r in range(saved)]
 
 
 def full_optimizer_state(opt, states):
@@ -284,6 +285,13 @@ def _save(obj, path):
         os.fsync(f.fileno())  # on disk before the directory is renamed into place
 
 
+def write_model_file(step_dir, state, config, step, settings, **extra):
+    """step_dir/model.pt, this format's one layout: the weights (a state dict), the GPTConfig, the
+    step, the settings and the format number; extra: more keys (save's world_size)."""
+    meta = dict(model=state, config=asdict(config), step=step, settings=settings, format=FORMAT)
+    _save(meta | extra, os.path.join(step_dir, "model.pt"))
+
+
 # Free space a checkpoint asks for beyond its estimate: a fraction, and bytes for the files whose
 # size is known only once written (tokenizer.json: Qwen3's is 11 MB) and the filesystem's overhead.
 SPACE_MARGIN, SPACE_SLACK = 0.05, 16 * 2**20
@@ -385,8 +393,7 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
         runtime.check_free_space(out_dir, needed, what(rank), hint)
         if rank == 0:
             os.makedirs(tmp)
-            _save(dict(model=state, config=asdict(model.config), step=step, settings=settings, format=FORMAT,
-                       world_size=world), os.path.join(tmp, "model.pt"))
+            write_model_file(tmp, state, model.config, step, settings, world_size=world)
             for name, write in (files or {}).items():
                 write(os.path.join(tmp, name))
 
@@ -424,12 +431,16 @@ def prune(out_dir, keep, keep_every=0):
 # ------------------------------------------------------------------------------------
 # The run directory: one run at a time, and a fresh run never mixes with an old one.
 
-RUN_FILES = ("log.jsonl", "wandb.json")  # wandb.json: tracking.py's W&B run id
+# wandb.json: tracking.py's W&B run id. imported.json: a run the authors' code trained, brought in
+# by scripts/import_authors.py (flt/authors.py) without their optimizer state: never resumed.
+IMPORTED = "imported.json"
+RUN_FILES = ("log.jsonl", "wandb.json", IMPORTED)
 
 
 def prepare_out_dir(out_dir, resume, overwrite):
-    """Check out_dir before any work: writable; resume=True needs a checkpoint; a fresh run refuses a
-    directory holding another run unless overwrite=True (which deletes that run's files).
+    """Check out_dir before any work: writable; resume=True needs a checkpoint, of this code's (an
+    imported run has no optimizer state: IMPORTED); a fresh run refuses a directory holding
+    another run unless overwrite=True (which deletes that run's files).
     resume="auto" (a job's first submission and every requeue): resume if out_dir holds a checkpoint,
     else start fresh, replacing the log of a run that never saved one."""
     try:
@@ -446,6 +457,10 @@ def prepare_out_dir(out_dir, resume, overwrite):
     if resume:
         if not steps:
             raise FileNotFoundError(f"--resume: no checkpoint (step_NNNNNN/model.pt) in out_dir={out_dir!r}")
+        if os.path.isfile(os.path.join(out_dir, IMPORTED)):  # a fresh optimizer: another run
+            raise ValueError(f"--resume: out_dir={out_dir!r} holds a run imported from the authors'"
+                             f" code ({IMPORTED}) without their optimizer state, so it cannot be "
+                             f"continued here; evaluate or export it, or train a new run elsewhere")
     elif found and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} already holds a run ({', '.join(found[-3:])}): continue it "
                          f"with --resume, choose another --out_dir, or delete it with --overwrite")

@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -174,6 +175,26 @@ def atomic_write(path, content):
         with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
             f.write(content)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path):
+    """A directory written whole or not at all: yields a new temporary directory beside path, which
+    replaces path (if it exists: the caller has decided it may) when the block ends, and is removed
+    if the block raises. Readers see the old directory or the new one, never half of one."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 is for the name, not the directory
+        if os.path.exists(path):  # the old one set aside, the new one renamed in, the old removed
+            os.rename(path, tmp + ".old")
+        os.rename(tmp, path)
+        shutil.rmtree(tmp + ".old", ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 class DiskSpaceError(OSError):

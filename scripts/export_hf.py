@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict
 
 from safetensors.torch import save_file
@@ -31,7 +30,7 @@ from tokenizers.processors import TemplateProcessing
 
 import data
 from flt import checkpoint
-from flt.runtime import user_errors
+from flt.runtime import atomic_dir, user_errors
 from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,9 +56,7 @@ def export(run, out, loops=None, force=False, log=print):
     config = asdict(GPTConfig(**asdict(model.config) | ({} if loops is None else {"loops": loops})))
     tok = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"), bos=settings.get("bos_token", data.BOS))
     bos = tok.tok.id_to_token(tok.bos_id)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
-    try:
+    with atomic_dir(out) as tmp:  # <out> is whole or absent
         write_json(os.path.join(tmp, "config.json"), {
             "architectures": ["FLTForCausalLM"], "model_type": "flt", "auto_map": AUTO_MAP, **config,
             "bos_token_id": tok.bos_id, "eos_token_id": tok.bos_id, "pad_token_id": tok.bos_id,
@@ -81,14 +78,6 @@ def export(run, out, loops=None, force=False, log=print):
         write_json(os.path.join(tmp, "run.json"), {"checkpoint": os.path.abspath(meta["path"]),
                                                    "step": meta.get("step"), "format": checkpoint.FORMAT,
                                                    "settings": settings})
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 is for the name, not the folder
-        if os.path.exists(out):  # --force: the old folder is set aside, the new one renamed in, the old removed
-            os.rename(out, tmp + ".old")
-        os.rename(tmp, out)
-        shutil.rmtree(tmp + ".old", ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"exported {meta['path']} (step {meta.get('step')}, {config['variant']}, default K={config['loops']}) "
         f"to {out}")
     return out

@@ -1,14 +1,19 @@
 """Shared fixtures: the embedded corpus, built once; train.py's data_dir; a local HTTP server on
 127.0.0.1 (never the internet) with Range support and scripted failures. And the run's settings:
 one inductor cache for all its processes, new each run; one torch thread per pytest-xdist worker."""
+import io
 import os
 import re
+import runpy
 import shutil
 import sys
 import tempfile
 import threading
 import time
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from unittest.mock import patch
 
 import pytest
 
@@ -23,6 +28,21 @@ def config_for_depth(depth, **overrides):
     d = 64 * depth
     n_head = -(-d // 128)
     return GPTConfig(**dict(n_layer=depth, n_embd=d, n_head=n_head, n_kv_head=n_head) | overrides)
+
+
+def run_module(module, *argv):
+    """`python -m <module> *argv` (a script of scripts/), run in this process by runpy: (exit
+    status, stdout, stderr). Cheaper than a subprocess; the module may already be imported."""
+    out, err = io.StringIO(), io.StringIO()
+    with patch.object(sys, "argv", [module, *argv]), redirect_stdout(out), redirect_stderr(err), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", f"'{module}' found in sys.modules")  # imported: fine
+        try:
+            runpy.run_module(module, run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    return status, out.getvalue(), err.getvalue()
 
 
 def pytest_configure(config):

@@ -10,17 +10,12 @@ One tiny run is trained for the module (depth 1, sequence_len 32, a 512-id BPE, 
 redrawn (a 4-step model is still near the identity, the same at every K) and it is exported once, by the
 command. The per-variant checks save checkpoints of randomised models with the run's tokenizer.
 """
-import io
 import json
 import os
-import runpy
 import shutil
 import subprocess
 import sys
 import textwrap
-import warnings
-from contextlib import redirect_stderr, redirect_stdout
-from unittest.mock import patch
 
 import pytest
 
@@ -32,6 +27,7 @@ pytest.importorskip("safetensors")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from conftest import run_module  # noqa: E402
 import data  # noqa: E402
 from flt import checkpoint  # noqa: E402
 from model import GPTConfig  # noqa: E402
@@ -67,16 +63,7 @@ def save_run(model, meta, out):
 
 def command(*argv):
     """`python -m scripts.export_hf *argv`, run in this process (runpy): (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with patch.object(sys, "argv", ["export_hf", *argv]), redirect_stdout(out), redirect_stderr(err), \
-            warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "'scripts.export_hf' found in sys.modules")  # imported above: fine
-        try:
-            runpy.run_module("scripts.export_hf", run_name="__main__")
-            status = 0
-        except SystemExit as e:
-            status = e.code
-    return status, out.getvalue(), err.getvalue()
+    return run_module("scripts.export_hf", *argv)
 
 
 @pytest.fixture(scope="module")
