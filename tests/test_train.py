@@ -471,12 +471,26 @@ def test_core_during_training_equals_eval_on_the_same_weights(tmp_path, data_dir
     assert saved["results"]["3"]["CORE"] == pytest.approx(core[6], abs=1e-12)
 
 
-def test_compiled_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir):
+# Each rank writes the precision its Muon runs Newton-Schulz in.
+NS_DTYPE = textwrap.dedent("""
+    import os, optim
+    init = optim.Muon.__init__
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        with open(os.path.join(os.environ["NS_DTYPE_DIR"], f"rank{os.environ.get('RANK', 0)}"), "w") as f:
+            f.write(str(self.ns_dtype))
+    optim.Muon.__init__ = recording
+""")
+
+
+def test_compiled_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir, monkeypatch):
     """The GPU recipe's code paths on CPU: regional torch.compile, bf16 autocast with a bf16
     embedding and bf16 Newton-Schulz, per-loop checkpointing, 2 gloo ranks."""
     out = tmp_path / "gpu_paths"
+    monkeypatch.setenv("NS_DTYPE_DIR", str(tmp_path))
     train(out, data_dir, "--num_steps=4", "--total_batch_size=256", "--compile=on", "--dtype=bf16",
-          "--checkpoint_loops", "--sample_tokens=0", script=runner(tmp_path), nproc=2)
+          "--checkpoint_loops", "--sample_tokens=0", script=runner(tmp_path, NS_DTYPE), nproc=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["torch.bfloat16"] * 2
     p0, p1 = (torch.load(out / f"params_rank{r}.pt") for r in (0, 1))
     assert p0["transformer.wte.weight"].dtype == torch.bfloat16
     assert all(torch.equal(p0[k], p1[k]) for k in p0)

@@ -1,0 +1,159 @@
+"""Does the suite fail when the recipe is applied wrong? Each mutant below is one plausible slip in a
+line of train.py, optim.py or model.py that carries the recipe; this script applies them one at a
+time to a copy of the tree and runs the tests that pin that line (-x: it stops at the first failure).
+A mutant the tests let through is printed as SURVIVED: a line no test pins yet.
+
+    python tests/mutants.py                 # every mutant (about 20 minutes on 2 cores)
+    python tests/mutants.py optim.py 3      # those of one file, or the ones whose index is given
+
+Not part of the suite (pytest collects test_*.py only); docs/testing.md says when to run it."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = ["tests/test_recipe.py"]
+PLAN = ["tests/test_planning.py"]
+SHORT_RUN = ["tests/test_train.py::test_short_run_learns_logs_and_saves"]
+OPTIM = ["tests/test_optim.py"] + RECIPE
+MODEL = ["tests/test_model.py", "tests/test_variable_loops.py", "tests/test_padded_generate.py"]
+
+# (file, the line's text, the slip, the tests that pin it)
+MUTANTS = [
+    # train.py: the recipe's arithmetic
+    ("train.py", "n_head = math.ceil(n_embd / 128)", "n_head = math.ceil(n_embd / 64)", PLAN),
+    ("train.py", "tokens_per_fwdbwd = device_batch_size * sequence_len * world_size",
+     "tokens_per_fwdbwd = device_batch_size * sequence_len", RECIPE),
+    ("train.py", 'params["non_embedding"] = params["all"] - config.padded_vocab * n_embd',
+     'params["non_embedding"] = params["all"] - config.vocab_size * n_embd', PLAN),
+    ("train.py", "horizon_tokens = {count: 20 * n for", "horizon_tokens = {count: 10 * n for", PLAN),
+    ("train.py", "num_steps = max(1, horizon_tokens[horizon_params] // total_batch_size)",
+     'num_steps = max(1, horizon_tokens["all"] // total_batch_size)', PLAN),
+    ("train.py", "train_files, val_files = shards[:-1], shards[-1:]",
+     "train_files, val_files = shards, shards[-1:]", RECIPE),
+    ("train.py", "torch.manual_seed(seed)", "torch.manual_seed(seed + rank)", RECIPE),
+    ("train.py", "last_step = step == num_steps", "last_step = step == num_steps - 1", RECIPE),
+    ("train.py", "loss = loss / grad_accum", "loss = loss", RECIPE),
+    ("train.py", "train_loss += loss.detach()", "train_loss = loss.detach() * grad_accum", RECIPE),
+    ("train.py", 'train_loss, resid = host["loss"] / world_size', 'train_loss, resid = host["loss"]', RECIPE),
+    ("train.py", "clip = clip_coefficient(total_norm, grad_clip)", "clip = clip_coefficient(total_norm, 1.0)",
+     RECIPE),
+    ("train.py", "opt.step(grad_scale=clip)", "opt.step()", RECIPE),
+    ("train.py", "lrm = lr_multiplier(step, num_steps, warmdown_frac)",
+     "lrm = lr_multiplier(step + 1, num_steps, warmdown_frac)", RECIPE),
+    ("train.py", 'group["lr"] = group["initial_lr"] * lrm', 'group["lr"] = group["initial_lr"]', RECIPE),
+    ("train.py", 'group["lr"] = group["initial_lr"] * lrm', 'group["lr"] = group["lr"] * lrm', RECIPE),
+    ("train.py", 'group["momentum"] = muon_momentum(step, momentum_warmup_steps)',
+     'group["momentum"] = muon_momentum(step - start_step, momentum_warmup_steps)', RECIPE),
+    ("train.py", "model.zero_grad(set_to_none=True)", "pass", RECIPE),
+    ("train.py", "bptt = None if bptt_loops == -1 else bptt_loops", "bptt = None", RECIPE),
+    ("train.py", "loss, looped = model(x, y, loops=K,", "loss, looped = model(x, y, loops=loops,",
+     ["tests/test_variable_loops.py::test_sampled_loops_same_on_every_rank_and_after_resume"]),
+    ("train.py", "flops_per_token = model.estimate_flops(K, bptt)", "flops_per_token = model.estimate_flops()",
+     RECIPE),
+    ("train.py", "if step > start_step and (step % save_interval == 0",
+     "if step >= start_step and (step % save_interval == 0", RECIPE),
+    ("train.py", "if step % eval_interval == 0 or last_step:", "if step % eval_interval == 1 or last_step:", SHORT_RUN),
+    # optim.py: Muon, AdamW, the reduction, the groups, the schedules
+    ("optim.py", "a, b, c = (3.4445, -4.7750, 2.0315)", "a, b, c = (3.4445, -4.7750, 2.0)", OPTIM),
+    ("optim.py", "X = X / (X.norm() + eps)", "X = X / (X.abs().max() + eps)", OPTIM),
+    ("optim.py", "for _ in range(steps):", "for _ in range(steps - 1):", OPTIM),
+    ("optim.py", "momentum_buffer.mul_(momentum).add_(grad)", "momentum_buffer.mul_(momentum).add_(grad, alpha=1 - momentum)", OPTIM),
+    ("optim.py", "nesterov = grad.add(momentum_buffer, alpha=momentum)", "nesterov = momentum_buffer", OPTIM),
+    ("optim.py", "max(1.0, grad.size(0) / grad.size(1)) ** 0.5", "max(1.0, grad.size(1) / grad.size(0)) ** 0.5", OPTIM),
+    ("optim.py", "grad.mul_(grad_scale)", "grad.mul_(1.0)", OPTIM),
+    ("optim.py", "op=dist.ReduceOp.AVG", "op=dist.ReduceOp.SUM", OPTIM),
+    ("optim.py", 'param.mul_(1 - lr * group["weight_decay"])', 'param.mul_(1 - group["weight_decay"])', OPTIM),
+    ("optim.py", "exp_avg.lerp_(grad, 1 - beta1)", "exp_avg.lerp_(grad, beta1)", OPTIM),
+    ("optim.py", "step_size = lr / (1 - beta1 ** step)", "step_size = lr", OPTIM),
+    ("optim.py", "(1 - beta2 ** step) ** 0.5).add_(eps)", "(1 - beta2 ** step)).add_(eps)", OPTIM),
+    ("optim.py", "scale = (768 / model.config.n_embd) ** 0.5", "scale = (model.config.n_embd / 768) ** 0.5", OPTIM),
+    ("optim.py", "betas=(0.8, 0.95), eps=1e-10", "betas=(0.9, 0.95), eps=1e-10", OPTIM),
+    ("optim.py", "betas=(0.8, 0.95), eps=1e-10", "betas=(0.8, 0.95), eps=1e-8", OPTIM),
+    ("optim.py", "Muon(matrices, lr=matrix_lr, momentum=0.95", "Muon(matrices, lr=matrix_lr, momentum=0.9", OPTIM),
+    ("optim.py", "return 1.0 if step <= num_steps - warmdown else", "return 1.0 if step < num_steps - warmdown else",
+     OPTIM),
+    ("optim.py", "frac = min(step / warmup_steps, 1.0)", "frac = min((step + 1) / warmup_steps, 1.0)", OPTIM),
+    ("optim.py", "return min(1.0, max_norm / (total_norm + 1e-6))", "return max_norm / (total_norm + 1e-6)", OPTIM),
+    ("optim.py", "dist.all_reduce(values)", "dist.all_reduce(values, op=dist.ReduceOp.AVG)", OPTIM),
+    # model.py: the backbone and the loop
+    ("model.py", "return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)",
+     "return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)", MODEL),
+    ("model.py", "inv_freq = 1.0 / (10000 **", "inv_freq = 1.0 / (100000 **", MODEL),
+    ("model.py", "q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))",
+     "q, k = norm(apply_rotary(q, cos, sin)), apply_rotary(k, cos, sin)", MODEL),
+    ("model.py", "c = norm(self.c_kv_down(kv_in))", "c = self.c_kv_down(kv_in)", MODEL),
+    ("model.py", "visible = (j <= i) & (i - j < window)", "visible = (j <= i) & (i - j <= window)", MODEL),
+    ("model.py", "tiled[-1] = \"L\"", "pass", MODEL),
+    ("model.py", "return self.c_proj(F.relu(self.c_fc(x)).square())", "return self.c_proj(F.relu(self.c_fc(x)))", MODEL),
+    ("model.py", "x = norm(x + h_prev)", "x = x + h_prev", MODEL),
+    ("model.py", 'q_in = h_prev if inject == "attn" else kv_in', 'q_in = kv_in', MODEL),
+    ("model.py", "return norm(e + h_prev)       # input injection", "return norm(e) + h_prev", MODEL),
+    ("model.py", 'if variant == "FLT" or (variant == "LT_ai" and layer == 0):',
+     'if variant == "FLT" or (variant == "LT_ai" and layer == 1):', MODEL),
+    ("model.py", "nn.init.normal_(self.lm_head.weight, std=0.001)", "nn.init.normal_(self.lm_head.weight, std=0.01)",
+     MODEL),
+    ("model.py", "s = math.sqrt(3 / self.config.n_embd)", "s = math.sqrt(1 / self.config.n_embd)", MODEL),
+    ("model.py", "norms.append(x.detach().float().norm(dim=-1).mean())", "norms.append(x.detach().float().norm(dim=-1).max())",
+     MODEL),
+    ("model.py", "return 15 * torch.tanh(logits / 15)", "return 30 * torch.tanh(logits / 30)", MODEL),
+    ("model.py", "ignore_index=-1)", "ignore_index=0)", MODEL),
+    ("model.py", "out = torch.stack(outputs).mean() if targets", "out = torch.stack(outputs).sum() if targets", MODEL),
+    ("model.py", "return torch.no_grad() if bptt_loops is not None and t < K - bptt_loops",
+     "return torch.no_grad() if bptt_loops is not None and t <= K - bptt_loops", MODEL),
+    ("model.py", "return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))",
+     "return 6 * head + (2 * block + attn // 3) * 3 * G", MODEL),
+    ("model.py", "kl = F.kl_div(logp, self.logp, log_target=True", "kl = F.kl_div(self.logp, logp, log_target=True",
+     MODEL),
+    ("model.py", "kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]",
+     "kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -2:-1]", MODEL),
+    ("model.py", "return -(-self.vocab_size // 64) * 64", "return -(-self.vocab_size // 32) * 32", MODEL),
+    ("model.py", "x0, hs, norms = norm(e), [], []", "x0, hs, norms = e, [], []", MODEL),
+    ("model.py", "hs.append(norm(x))", "hs.append(x)", MODEL),
+    ("model.py", "kv_in = norm(x)", "kv_in = x", MODEL),
+    ("model.py", "return x + self.mlp(norm(x))", "return x + self.mlp(x)", MODEL),
+    ("model.py", "z.repeat_interleave(self.n_head // self.n_kv_head, dim=1)",
+     "z.repeat(1, self.n_head // self.n_kv_head, 1, 1)", MODEL),
+    ("model.py", "logits = logits / temperature", "logits = logits * temperature", MODEL),
+    ("model.py", "head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)",
+     "head = self.lm_head.weight.numel()", MODEL),
+    ("model.py", "hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])", "pass", MODEL),
+    ("train.py", 'ns_dtype=torch.bfloat16 if dtype == "bf16" else None', "ns_dtype=None",
+     ["tests/test_train.py::test_compiled_bf16_two_ranks_with_loop_checkpointing"]),
+    ("optim.py", "math.log(loops - 1) - sigma**2 / 2", "math.log(loops - 1)", ["tests/test_variable_loops.py"]),
+]
+
+
+def run(index, path, old, new, tests, tree):
+    text = open(os.path.join(ROOT, path)).read()
+    if text.count(old) != 1:
+        return f"{index:3d} NOT FOUND {path}: {old!r} (appears {text.count(old)} times)"
+    with open(os.path.join(tree, path), "w") as f:
+        f.write(text.replace(old, new))
+    start = time.time()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=tree,
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with open(os.path.join(tree, path), "w") as f:
+        f.write(text)
+    failed = [line for line in p.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    verdict = f"caught by {failed[0].split()[1]}" if p.returncode else "SURVIVED"
+    return f"{index:3d} {verdict} ({time.time() - start:.0f} s) {path}: {old!r} -> {new!r}"
+
+
+def main(argv):
+    chosen = [(i, m) for i, m in enumerate(MUTANTS)
+              if not argv or m[0] in argv or str(i) in argv]
+    tree = tempfile.mkdtemp(prefix="mutants")
+    shutil.copytree(ROOT, tree, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", "out", "data", "__pycache__"))
+    try:
+        for i, (path, old, new, tests) in chosen:
+            print(run(i, path, old, new, tests, tree), flush=True)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
