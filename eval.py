@@ -426,8 +426,8 @@ def sample_mode(c, ctx):
             texts.setdefault(K, []).append(runtime.sample(ctx.model, ctx.tokenizer, prompt, c.sample_tokens,
                                                           temperature=c.temperature, seed=c.seed, loops=K))
             progress()
-        for K, t in texts.items():
-            print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
+        for K, t in texts.items():  # as text, each between two rules
+            print0("\n".join(runtime.framed(f"sample at K={K}", s) for s in t))
         return {K: {"samples": t} for K, t in texts.items()}, {}
     return (f"{len(SAMPLE_PROMPTS)} prompts x {c.sample_tokens} tokens at each K in {ctx.loops}, cached decoding",
             sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)

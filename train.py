@@ -211,28 +211,21 @@ watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of F
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 
-# Evaluation runs eagerly: its shapes (CORE's prompt lengths) would fill the cache training's graphs need.
-@torch.compiler.set_stance("force_eager")
 def validate(n_tokens):
     """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the authors' loop)."""
     if n_tokens not in val_chunks:
         val_chunks[n_tokens] = evaluation.protocol_chunks(val_files, tok, sequence_len, n_tokens, world_size,
                                                           device_batch_size, rank, world_size)[0]
-    model.eval()
-    with autocast:
+    with runtime.evaluating(model, autocast):  # eval mode, eager
         bpb, n = evaluation.evaluate_bpb(model, val_chunks[n_tokens], byte_tables, [config.loops])
-    model.train()
     return {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops], "val_tokens": n}
 
 
-@torch.compiler.set_stance("force_eager")
 def core():
     """CORE at the trained loop count on the first core_max_per_task items of every task (Fig. 9)."""
-    model.eval()
-    with autocast:
+    with runtime.evaluating(model, autocast):
         result = evaluation.evaluate_core(model, tok, core_tasks, [config.loops], device_batch_size,
                                           core_max_per_task, log=lambda *args: None)
-    model.train()
     return result[config.loops]["CORE"]
 
 
@@ -350,7 +343,9 @@ while True:
 
 log.write(record)
 log.close()
-if master and sample_tokens > 0:
-    with autocast:
-        print0("sample:", repr(runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50, seed=seed)))
+if master and sample_tokens > 0:  # the trained model continues "The"
+    with runtime.evaluating(model, autocast):
+        text = runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50,
+                              seed=seed)
+    print(runtime.framed("sample: temperature 0.8, top_k 50", text))
 runtime.finish(rt)  # rank 0 may still have been sampling

@@ -740,6 +740,17 @@ def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
     assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
 
 
+def test_samples_print_as_text_between_rules(tmp_path, capsys):
+    """Each sample as it reads (its newlines kept, not a repr), after a rule naming its K, before a
+    closing rule."""
+    save_checkpoint(tmp_path)
+    samples = ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=sample", "--loops=1,2", "--sample_tokens=3"])
+    out = capsys.readouterr().out
+    for K in (1, 2):
+        for text in samples[K]["samples"]:
+            assert f"---- sample at K={K} {'-' * 53}\n{text.rstrip()}\n{'-' * 72}\n" in out
+
+
 class Stop(Exception):
     pass
 
