@@ -69,7 +69,7 @@ from torch.nn.utils.rnn import pad_sequence
 import data
 from configurator import settings_of
 from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
-from flt import corpus, report, runtime, tracking
+from flt import corpus, errors, report, runtime, tracking
 from flt.checkpoint import load_model
 from flt.corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 from flt.runtime import print0
@@ -486,5 +486,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    with runtime.user_errors():  # a bad setting: its message and exit status 1, no traceback
+    with errors.user_errors("eval.py"):  # a user's mistake: one line, exit status 1 (flt/errors.py)
         main(sys.argv[1:])

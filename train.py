@@ -16,10 +16,12 @@ import torch
 import data
 import eval as evaluation
 from configurator import configure
-from flt import checkpoint, cluster, corpus, diagnostics, planning, runtime, tracking
+from flt import checkpoint, cluster, corpus, diagnostics, errors, planning, runtime, tracking
 from flt.runtime import print0
 from model import GPT, GPTConfig
 from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients, sample_loops
+
+errors.install("train.py")  # a mistake in a setting, path or file: one line on stderr, exit code 1
 
 # ----------------------------------------------------------------------------- settings
 # I/O

@@ -13,8 +13,8 @@ place whole: a file renamed by two hosts gets the same bytes twice (a download i
 file, a build is deterministic); a directory renamed second finds the first one in place and uses
 it. Before bytes are written, the free space is checked (runtime.check_free_space).
 
-    python corpus.py --download 249   # the authors' 249 training shards + their validation shard
-    python corpus.py --embedded       # build the embedded corpus (no network)
+    python -m flt.corpus --download 249   # the authors' 249 training shards + their validation shard
+    python -m flt.corpus --embedded       # build the embedded corpus (no network)
 """
 import argparse
 import contextlib
@@ -46,7 +46,7 @@ import requests
 from urllib3.exceptions import NameResolutionError
 import yaml
 
-from flt import runtime
+from flt import errors, runtime
 from flt.runtime import atomic_write
 
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -535,7 +535,8 @@ if __name__ == "__main__":
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL)
     args = parser.parse_args()
-    if args.download is not None:
-        download_shards(args.download, args.data_dir, args.base_url)
-    else:
-        embedded_corpus(args.data_dir)
+    with errors.user_errors("flt.corpus"):  # offline, a full disk, a bad shard: one line, exit status 1
+        if args.download is not None:
+            download_shards(args.download, args.data_dir, args.base_url)
+        else:
+            embedded_corpus(args.data_dir)

@@ -7,7 +7,6 @@
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
     runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
-    with runtime.user_errors(): ...   # a script's top level: a bad setting is a message, no traceback
     with runtime.evaluating(model, autocast): ...   # train.py's evaluations: eval mode, eager
     text = runtime.sample(model, tokenizer, "The", 64, loops=3)
     print(runtime.framed("sample", text))  # a sample as text, between two rules
@@ -209,18 +208,6 @@ def check_free_space(path, needed, what, hint):
     if free < needed:
         raise DiskSpaceError(what, path, needed, free, hint)
     return free
-
-
-@contextlib.contextmanager
-def user_errors():
-    """A script's top level: a ValueError or FileNotFoundError (the errors whose message names the
-    setting, file or value and says what is allowed) ends the process with that message on stderr
-    and exit status 1, without a traceback. Any other exception is a bug and keeps its traceback."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
 
 
 @contextlib.contextmanager

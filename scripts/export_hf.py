@@ -31,7 +31,7 @@ from tokenizers.processors import TemplateProcessing
 
 import data
 from flt import checkpoint
-from flt.runtime import user_errors
+from flt.errors import user_errors
 from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,5 +109,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    with user_errors():  # a bad path or setting: its message and exit status 1, no traceback
+    with user_errors("scripts.export_hf"):  # a bad path or setting: one line and exit status 1
         main(sys.argv[1:])

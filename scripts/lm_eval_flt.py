@@ -43,7 +43,7 @@ from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, ma
 from flt import corpus
 import data
 import eval as evaluation
-from flt import report
+from flt import errors, report
 from flt import runtime
 from flt.checkpoint import load_model
 
@@ -291,8 +291,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
+    with errors.user_errors("scripts.lm_eval_flt"):  # a bad path or setting: one line and exit status 1
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as e:
-        print(f"lm_eval_flt: {e}", file=sys.stderr)
-        raise SystemExit(1)

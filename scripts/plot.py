@@ -21,7 +21,7 @@ import math
 import os
 import sys
 
-from flt import report
+from flt import errors, report
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -135,7 +135,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        sys.exit("plot.py needs matplotlib: pip install -r requirements/plot.txt")
+        raise ValueError("the figures need matplotlib, which is not installed: pip install -r requirements/plot.txt")
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
     return plt
@@ -303,4 +303,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with errors.user_errors("scripts.plot"):  # a bad path or input: one line and exit status 1
+        main(sys.argv[1:])

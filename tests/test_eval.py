@@ -979,17 +979,18 @@ def as_main(script, args, monkeypatch):
 
 @pytest.mark.parametrize("setting, error", BAD_SETTINGS)
 def test_a_bad_device_or_dtype_is_the_same_error_in_every_script(tmp_path, monkeypatch, capsys, setting, error):
-    """eval.py and bench.py print the error alone on stderr and exit with status 1 (SystemExit: no
-    traceback); train.py raises the same ValueError as before (its last stderr line is this one),
-    before it touches out_dir or data_dir."""
+    """eval.py and bench.py print the error alone on stderr, after their name, and exit with status 1
+    (SystemExit: no traceback); train.py raises the same ValueError (its sys.excepthook prints it so:
+    tests/test_errors.py), before it touches out_dir or data_dir."""
     if available(setting):
         pytest.skip("this machine has the device")
     _, _, step = save_checkpoint(tmp_path)
     capsys.readouterr()  # what saving it printed
-    for script, args in (("eval.py", [str(step), "--modes=sample"]), ("scripts/bench.py", BENCH)):
+    for script, program, args in (("eval.py", "eval.py", [str(step), "--modes=sample"]),
+                                  ("scripts/bench.py", "scripts.bench", BENCH)):
         ended = as_main(script, [*args, setting], monkeypatch)
         assert isinstance(ended, SystemExit) and ended.code == 1, (script, ended)
-        assert capsys.readouterr() == ("", error + "\n"), script
+        assert capsys.readouterr() == ("", f"{program}: {error}\n"), script
     ended = as_main("train.py", [f"--out_dir={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}", setting],
                     monkeypatch)
     assert f"{type(ended).__name__}: {ended}" == error
@@ -1008,8 +1009,8 @@ def test_the_command_line_says_it_without_a_traceback(tmp_path):
     procs = [subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for cmd in commands]  # at once: one torch import's wait, not three
     (out1, err1), (out2, err2), (out3, err3) = (p.communicate(timeout=300) for p in procs)
-    for p, out, err in zip(procs[:2], (out1, out2), (err1, err2)):
-        assert (p.returncode, out, err) == (1, "", f"ValueError: device='cuda', {NO_CUDA}\n")
+    for p, out, err, program in zip(procs[:2], (out1, out2), (err1, err2), ("eval.py", "scripts.bench")):
+        assert (p.returncode, out, err) == (1, "", f"{program}: ValueError: device='cuda', {NO_CUDA}\n")
     assert procs[2].returncode == 0 and json.loads(out3.splitlines()[-1])["step"] > 0, err3
 
 

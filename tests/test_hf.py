@@ -302,4 +302,4 @@ def test_errors_name_the_path_and_leave_nothing_behind(run, exported, tmp_path, 
     assert os.listdir(os.path.dirname(exported)) == ["d1_flt"]  # no temporary folder left
     assert set(os.listdir(exported)) == FILES  # the old folder is untouched
     assert command("no/such/run", str(tmp_path / "y")) == (
-        1, "", "FileNotFoundError: run 'no/such/run': no such directory\n")
+        1, "", "scripts.export_hf: FileNotFoundError: run 'no/such/run': no such directory\n")
