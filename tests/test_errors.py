@@ -1,12 +1,22 @@
 """One rule for every entry point (flt/errors.py): a mistake in the user's input (a setting, a path, a
 file's contents, the machine) is ONE line on stderr, `<program>: <error type>: <message>`, printed by
-rank 0 only, and exit status 1; a bug keeps its traceback."""
+rank 0 only, and exit status 1; a bug keeps its traceback. The rule in-process, then the commands as a
+user types them (each a process forked from one that has imported torch: tests/forkserver.py)."""
 import errno
+import os
 import sys
 
 import pytest
 
+import forkserver
+from configurator import configure, settings_of
 from flt import errors, runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python(*argv):
+    return forkserver.run(argv, ROOT, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=300)
 
 
 # ----------------------------------------------------------------------------- the rule, in-process
@@ -60,3 +70,64 @@ def test_the_hook_of_a_flat_script_follows_the_same_rule(monkeypatch, capsys):
     sys.excepthook(RuntimeError, bug, None)
     assert capsys.readouterr().err == "train.py: ValueError: loops=0: expected a positive integer\n"
     assert tracebacks == [bug]
+
+
+# ----------------------------------------------------------------------------- settings a file declares
+def test_imported_names_and_constants_are_not_settings(tmp_path):
+    """A script's settings are the public simple-typed variables it assigns itself: eval.py imports
+    ROPE_SPAN from model.py and holds constants (MODES); neither is a setting."""
+    import eval as ev
+    settings = settings_of(vars(ev))
+    assert "ROPE_SPAN" not in settings and "MODES" not in settings and {"loops", "modes", "out"} <= set(settings)
+    with pytest.raises(ValueError, match="--ROPE_SPAN: unknown setting 'ROPE_SPAN'"):
+        configure(dict(settings), ["--ROPE_SPAN=2"])
+    script = tmp_path / "script.py"
+    script.write_text("from math import pi\nimport os\nLIMIT = 3\ndepth = 2\nname = 'x'\n")
+    namespace = {"pi": 3.14, "os": os, "LIMIT": 3, "depth": 2, "name": "x", "__file__": str(script)}
+    assert settings_of(namespace) == {"depth": 2, "name": "x"}
+
+
+def test_a_misspelt_setting_is_answered_with_the_close_names(tmp_path):
+    with pytest.raises(ValueError, match=r"^--lops: unknown setting 'lops'; did you mean 'loops'\?"):
+        configure(dict(loops=3, depth=2), ["--lops=3"])
+    with pytest.raises(ValueError, match="^--zzz: unknown setting 'zzz'; the settings: depth, loops"):
+        configure(dict(loops=3, depth=2), ["--zzz=3"])
+    config = tmp_path / "c.py"
+    config.write_text("import math\nfrom os import sep\ndepht = 3\n")  # imports are not settings
+    with pytest.raises(ValueError, match=f"^{config}: unknown setting 'depht'; did you mean 'depth'"):
+        configure(dict(loops=3, depth=2), [str(config)])
+
+
+# ----------------------------------------------------------------------------- the commands
+def one_line(p, expected):
+    """The process ended with status 1 and printed exactly `expected` on stderr, one line."""
+    assert (p.returncode, p.stderr) == (1, expected + "\n"), p.stderr[-3000:]
+
+
+def test_train_py_mistakes_are_one_line_each(tmp_path):
+    """The mistakes of a first hour with train.py, each stopped before any data or model work."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_text("{}\n")
+    where = [f"--data_dir={tmp_path / 'data'}"]
+    run = str(tmp_path / "run")
+    torch_version = __import__("torch").__version__
+    mistakes = [
+        ([f"--out_dir={run}"], f"ValueError: out_dir={run!r} already holds a run (log.jsonl): continue it with "
+                               "--resume, choose another --out_dir, or delete it with --overwrite"),
+        (["--device=cuda"], f"ValueError: device='cuda', but this torch ({torch_version}) sees no CUDA device; "
+                            "use --device=cpu"),
+        (["--loops=0"], "ValueError: loops=0: expected a positive integer"),
+        (["--lops=3"], "ValueError: --lops: unknown setting 'lops'; did you mean 'loops'? (--help lists them)"),
+        (["config/nope.py"], "FileNotFoundError: config/nope.py: No such file or directory"),
+    ]
+    for args, message in mistakes:
+        if "cuda" in args[0] and __import__("torch").cuda.is_available():
+            continue
+        one_line(python("train.py", *where, f"--out_dir={tmp_path / 'new'}", *args), f"train.py: {message}")
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no corpus, no run directory
+
+
+def test_eval_py_refuses_a_constant_as_a_setting(tmp_path):
+    one_line(python("eval.py", str(tmp_path), "--ROPE_SPAN=2"),
+             "eval.py: ValueError: --ROPE_SPAN: unknown setting 'ROPE_SPAN'; the settings: " +
+             ", ".join(sorted(settings_of(vars(__import__("eval"))))) + " (--help lists them)")
