@@ -98,8 +98,7 @@ def read_eval(path):
         path = os.path.join(path, *steps[-1:], "eval.json")  # a step directory holds it directly
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no eval.json; run eval.py on the run's checkpoint first")
-    with open(path) as f:
-        return {int(K): r for K, r in sorted(json.load(f)["results"].items(), key=lambda kv: int(kv[0]))}
+    return {int(K): r for K, r in sorted(report.read_results(path)["results"].items(), key=lambda kv: int(kv[0]))}
 
 
 def ema(values, beta=0.9):

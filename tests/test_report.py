@@ -1,6 +1,6 @@
 """Tests for report.py: Table 1's cells and layout from eval.json-style results, eval.json and
-eval.md, eval.py's command line and its plan-then-run, with stand-in modes; and that it imports
-without torch (plot.py runs without it)."""
+eval.md (how runs merge into them: tests/test_eval_merge.py), eval.py's command line and its
+plan-then-run, with stand-in modes; and that it imports without torch (plot.py runs without it)."""
 import json
 import os
 import re
@@ -120,13 +120,17 @@ def test_run_modes_plans_first_runs_the_rest_and_saves_after_each_mode():
 
 
 def test_write_results_writes_eval_json_and_eval_md_beside_it():
+    """A first run: its results by K, the run that computed each entry (its start time), that run's
+    settings and what it measured, and eval.md's table, the same as eval.json's."""
     written = {}
     results = {1: {"val_bpb": 1.25}, 3: {}}
-    report.write_results("run/step_000010/eval.json", {"checkpoint": "run/step_000010", "step": 10}, results,
-                         {"bpb": {"tokens": 7}}, write=written.__setitem__)
+    record = {"checkpoint": "run/step_000010", "step": 10, "settings": {"modes": "bpb"}, "time": "T1"}
+    report.write_results("run/step_000010/eval.json", record, results, {"bpb": {"tokens": 7}},
+                         write=written.__setitem__)
     md = "| K | Wiki2 ppl | val bpb | CORE | LMB | PIQA | Hella | OPQA | ARC-E | ARC-C | Avg |\n" + \
          "|---|---|---|---|---|---|---|---|---|---|---|\n| 1 |  | 1.250 |" + "  |" * 8 + "\n| 3 |" + "  |" * 10 + "\n"
     assert written["run/step_000010/eval.md"] == md
     assert json.loads(written["run/step_000010/eval.json"]) == {
-        "checkpoint": "run/step_000010", "step": 10, "measured": {"bpb": {"tokens": 7}},
-        "results": {"1": {"val_bpb": 1.25}, "3": {}}, "table": md}
+        "checkpoint": "run/step_000010", "step": 10, "results": {"1": {"val_bpb": 1.25}, "3": {}},
+        "computed": {"1": {"val_bpb": "T1"}, "3": {}},
+        "runs": {"T1": {"settings": {"modes": "bpb"}, "measured": {"bpb": {"tokens": 7}}}}, "table": md}
