@@ -58,6 +58,10 @@ def values(r):
     return [metric(r, key) for _, key, *_ in COLUMNS]
 
 
+# The cells of a run whose training collapsed, as the paper's Table 1 marks LT at K=9
+COLLAPSED = ["collapsed"] + [""] * (len(COLUMNS) - 1)
+
+
 def cells(numbers, missing="-"):
     """Table 1's cells for the numbers of COLUMNS, scaled and rounded; `missing` for a None."""
     return [missing if v is None else f"{v * scale:.{digits}f}" for v, (_, _, scale, digits) in zip(numbers, COLUMNS)]

@@ -3,6 +3,8 @@ file's contents, the machine) is ONE line on stderr, `<program>: <error type>: <
 rank 0 only, and exit status 1; a bug keeps its traceback. The rule in-process, then the commands as a
 user types them (each a process forked from one that has imported torch: tests/forkserver.py)."""
 import errno
+import importlib.util
+import json
 import os
 import sys
 
@@ -131,3 +133,23 @@ def test_eval_py_refuses_a_constant_as_a_setting(tmp_path):
     one_line(python("eval.py", str(tmp_path), "--ROPE_SPAN=2"),
              "eval.py: ValueError: --ROPE_SPAN: unknown setting 'ROPE_SPAN'; the settings: " +
              ", ".join(sorted(settings_of(vars(__import__("eval"))))) + " (--help lists them)")
+
+
+def test_plot_sweep_without_core_draws_val_bpb_and_says_so(tmp_path, capsys):
+    """A sweep's default is Table 1's six-task average; runs evaluated without CORE have none, so it
+    draws val_bpb and says so; a run with no metric at all is one line naming what eval.py computes."""
+    from scripts import plot
+    step = tmp_path / "run" / "step_000010"
+    step.mkdir(parents=True)
+    (step / "eval.json").write_text(json.dumps({"step": 10, "results": {"1": {"val_bpb": 2.0}, "3": {"val_bpb": 1.9}}}))
+    if importlib.util.find_spec("matplotlib"):
+        fig = plot.main(["sweep", str(tmp_path / "run"), "-o", str(tmp_path / "sweep.png")])
+        assert [list(line.get_ydata()) for line in fig.axes[0].get_lines()] == [[2.0, 1.9]]
+        assert capsys.readouterr().out.splitlines()[0] == (
+            "sweep: no run has Table 1's six tasks (eval.py --modes=core), so no six-task average: drawing "
+            "val_bpb; --metric draws another of: val_bpb")
+    (step / "eval.json").write_text(json.dumps({"step": 10, "results": {"1": {"samples": ["The"]}}}))
+    one_line(python("-m", "scripts.plot", "sweep", str(tmp_path / "run")),
+             "scripts.plot: ValueError: the six-task average (avg) or val_bpb: not in the runs' eval.json; they "
+             "have: no metric "
+             "(eval.py --modes=bpb,wiki,core computes them)")
