@@ -257,6 +257,10 @@ preemption = cluster.Preemption()
 clock = cluster.Clock(save_interval_minutes)
 preempted = save_due = False  # what the ranks agreed at the last step
 last_read = time.time()  # of the last step's values: the step time is the time between two reads
+# The loop, one optimizer step a pass, in five parts: evaluate and save (validate, save; the last
+# step does only these, then leaves); forward and backward (model(x, y), loss.backward(), grad_accum
+# times); reduce and read (reduce_gradients: one all-reduce; diagnostics.read: one host sync); clip
+# and step (clip_coefficient, the schedules, opt.step); log (print0, log.write, divergence check).
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves: step num_steps is the final model
     record = {"step": step}
