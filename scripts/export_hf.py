@@ -66,6 +66,8 @@ def export(run, out, loops=None, force=False, log=print):
             "tie_word_embeddings": False, "use_cache": True, "dtype": "float32"})
         state = {f"model.{k}": v.detach().float().contiguous() for k, v in model.state_dict().items()}
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates its file 0600: readable as every other file here (config.json's mode, the umask's)
+        shutil.copymode(os.path.join(tmp, "config.json"), os.path.join(tmp, "model.safetensors"))
         # transformers encodes with special tokens by default: BOS first, as every training document began
         tok.tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
                                                     special_tokens=[(bos, tok.bos_id)])

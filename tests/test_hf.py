@@ -15,6 +15,7 @@ import json
 import os
 import runpy
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -115,9 +116,17 @@ def cut_at_document_end(tokens, bos):
 
 
 # ----------------------------------------------------------------------------- the folder
+def umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_the_folder_holds_config_weights_tokenizer_and_code(run, exported):
     assert set(os.listdir(exported)) == FILES and not [n for n in os.listdir(os.path.dirname(exported)) if
                                                       n.startswith(".")]  # no temporary folder left
+    mode = {name: stat.S_IMODE(os.stat(os.path.join(exported, name)).st_mode) for name in FILES}
+    assert mode["model.safetensors"] == mode["config.json"] == 0o666 & ~umask()  # safetensors' own is 0600
     config = json.load(open(os.path.join(exported, "config.json")))
     gpt, meta = checkpoint.load_model(run, log=quiet)
     assert {k: config[k] for k in GPTConfig.__dataclass_fields__} == vars(gpt.config) and config["loops"] == 3
