@@ -1,9 +1,10 @@
 """One rule for every entry point (train.py, eval.py, the scripts): a mistake in what the user gave
 (a setting, a path, a file's contents, the machine) ends the program with ONE line on stderr,
-`<program>: <error type>: <message>`, printed by rank 0 only under torchrun, and exit status 1; the
-message names the setting, file or value and says what is allowed. Anything else is a bug and
-keeps its traceback. The exit codes a program documents (train.py's preemption and divergence)
-are its own: they are not exceptions. No torch here: scripts.plot runs without it.
+`<program>: <error type>: <message>`, printed once per node under torchrun (by its LOCAL_RANK 0: on a
+cluster each node's log says why it stopped), and exit status 1; the message names the setting, file
+or value and says what is allowed. Anything else is a bug and keeps its traceback. The exit codes a
+program documents (train.py's preemption and divergence) are its own: they are not exceptions. No
+torch here: scripts.plot runs without it.
 
     errors.install("train.py")                 # a flat script, from its first lines on
     with errors.user_errors("eval.py"):        # a script with a main()
@@ -35,8 +36,8 @@ def line(program, e):
 
 
 def report(program, e):
-    """The line on stderr (rank 0 only), and the process group, if any, ended."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    """The line on stderr (once per node: its local rank 0), and the process group, if any, ended."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(line(program, e), file=sys.stderr, flush=True)
     dist = sys.modules.get("torch.distributed")  # imported by the program if it uses one
     if dist and dist.is_available() and dist.is_initialized():

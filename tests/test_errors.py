@@ -1,6 +1,6 @@
 """One rule for every entry point (flt/errors.py): a mistake in the user's input (a setting, a path, a
-file's contents, the machine) is ONE line on stderr, `<program>: <error type>: <message>`, printed by
-rank 0 only, and exit status 1; a bug keeps its traceback. The rule in-process, then the commands as a
+file's contents, the machine) is ONE line on stderr, `<program>: <error type>: <message>`, printed
+once per node (local rank 0), and exit status 1; a bug keeps its traceback. The rule in-process, then the commands as a
 user types them (each a process forked from one that has imported torch: tests/forkserver.py)."""
 import errno
 import importlib.util
@@ -32,7 +32,7 @@ def python(*argv):
     (RuntimeError("an invariant broke"), False), (KeyError("step"), False), (OSError(errno.EIO, "I/O"), False),
 ])
 def test_user_errors_are_one_line_and_bugs_keep_their_traceback(monkeypatch, capsys, error, user):
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(SystemExit if user else type(error)) as ended:
         with errors.user_errors("prog"):
             raise error
@@ -52,17 +52,21 @@ def test_the_line_names_the_file_and_joins_a_message_of_several_lines():
         "eval.py: ValueError: no readable checkpoint in 'out': step_2: truncated; step_1: empty"
 
 
-def test_only_rank_0_prints_and_every_rank_exits_1(monkeypatch, capsys):
-    monkeypatch.setenv("RANK", "1")
-    with pytest.raises(SystemExit) as ended, errors.user_errors("train.py"):
-        raise ValueError("loops=0: expected a positive integer")
-    assert ended.value.code == 1 and capsys.readouterr() == ("", "")
+def test_each_node_prints_it_once_and_every_rank_exits_1(monkeypatch, capsys):
+    """torchrun's ranks 0..3 on two nodes of two: ranks 0 and 2 (LOCAL_RANK 0) print the line."""
+    for rank, local_rank, prints in ((0, 0, True), (1, 1, False), (2, 0, True), (3, 1, False)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        with pytest.raises(SystemExit) as ended, errors.user_errors("train.py"):
+            raise ValueError("loops=0: expected a positive integer")
+        line = "train.py: ValueError: loops=0: expected a positive integer\n"
+        assert ended.value.code == 1 and capsys.readouterr() == ("", line if prints else "")
 
 
 def test_the_hook_of_a_flat_script_follows_the_same_rule(monkeypatch, capsys):
     """train.py has no main() to wrap: errors.install sets sys.excepthook, which Python calls with the
     exception that ends the script (and then exits with status 1)."""
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
     tracebacks = []
     monkeypatch.setattr(sys, "__excepthook__", lambda *exc: tracebacks.append(exc[1]))
