@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import sys
+import traceback
 
 # What a user's input or machine raises. A full disk is an OSError with errno ENOSPC (or EDQUOT):
 # runtime.DiskSpaceError, checked before writing, or the write itself.
@@ -33,6 +34,14 @@ def line(program, e):
     for part in filter(None, (p.strip() for p in message.splitlines())):
         text += (" " if text.endswith(":") else "; ") + part if text else part
     return f"{program}: {type(e).__name__}: {text}"
+
+
+def explained(e):
+    """What a caller that goes on after e (eval.py: the other modes still run) prints: a user's
+    error, its message; a bug, its message and its traceback."""
+    if is_user_error(e):
+        return str(e)
+    return f"{e}\n" + "".join(traceback.format_exception(e)).rstrip()
 
 
 def report(program, e):

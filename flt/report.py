@@ -22,7 +22,7 @@ from datetime import datetime
 from types import SimpleNamespace
 
 from configurator import configure
-from flt import tracking
+from flt import errors, tracking
 
 
 # ----------------------------------------------------------------------------- Table 1
@@ -225,7 +225,8 @@ def run_modes(plans, estimate, numerics, save, loops, log):
     fetching and counting its inputs, no forward yet; a plan that raises is reported and its mode left
     out. Then the estimate line (estimate(planned) -> {mode: seconds}), then each run() in `numerics`,
     returning ({K: results at K}, what was measured), and save(results, measured) after each mode. A
-    mode that fails is reported and the others still run. Returns (results, measured, failed)."""
+    mode that fails is reported and the others still run (a bug with its traceback: errors.explained).
+    Returns (results, measured, failed)."""
     planned, failed = {}, {}
     for mode, plan in plans.items():
         try:
@@ -233,7 +234,7 @@ def run_modes(plans, estimate, numerics, save, loops, log):
             log(f"plan {mode:<6} {planned[mode][0]}")
         except Exception as e:
             failed[mode] = e
-            log(f"plan {mode:<6} cannot run: {e}", file=sys.stderr)
+            log(f"plan {mode:<6} cannot run: {errors.explained(e)}", file=sys.stderr)
     if planned:
         expected = estimate(planned)
         log("estimate (from the first forwards): " + ", ".join(f"{m} ~{minutes(s)}" for m, s in expected.items()) +
@@ -245,7 +246,7 @@ def run_modes(plans, estimate, numerics, save, loops, log):
                 by_K, measured[mode] = run()
         except Exception as e:
             failed[mode] = e
-            log(f"eval.py: mode {mode!r} failed: {e}", file=sys.stderr)
+            log(f"eval.py: mode {mode!r} failed: {errors.explained(e)}", file=sys.stderr)
             continue
         for K, r in by_K.items():
             results[K].update(r)
