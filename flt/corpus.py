@@ -539,16 +539,16 @@ def load_items(task, max_per_task):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(prog="python -m flt.corpus", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--download", type=int, metavar="N",
                         help="first N training shards (249: the authors') + validation shard 249")
     action.add_argument("--embedded", action="store_true", help="build the embedded corpus")
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL)
-    args = parser.parse_args()
     with errors.user_errors("flt.corpus"):  # offline, a full disk, a bad shard: one line, exit status 1
+        args = parser.parse_args()
         if args.download is not None:
             download_shards(args.download, args.data_dir, args.base_url)
         else:

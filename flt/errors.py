@@ -9,7 +9,9 @@ torch here: scripts.plot runs without it.
     errors.install("train.py")                 # a flat script, from its first lines on
     with errors.user_errors("eval.py"):        # a script with a main()
         main(sys.argv[1:])
+    errors.ArgumentParser(prog="python -m scripts.plot")  # argparse's, its mistakes one line too
 """
+import argparse
 import contextlib
 import errno
 import os
@@ -73,3 +75,11 @@ def install(program):
         else:
             sys.__excepthook__(kind, e, traceback)
     sys.excepthook = hook
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose command-line mistakes follow the rule: a ValueError (one line through
+    user_errors) instead of argparse's usage lines and exit status 2. --help prints the usage."""
+
+    def error(self, message):
+        raise ValueError(f"{message} ({self.prog} --help shows the usage)")

@@ -18,7 +18,6 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
 """
-import argparse
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from tokenizers.processors import TemplateProcessing
 
 import data
 from flt import checkpoint
-from flt.errors import user_errors
+from flt.errors import ArgumentParser, user_errors
 from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +96,7 @@ def export(run, out, loops=None, force=False, log=print):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="python -m scripts.export_hf", description=__doc__.split("\n\n")[1].strip())
+    p = ArgumentParser(prog="python -m scripts.export_hf", description=__doc__.split("\n\n")[1].strip())
     p.add_argument("run", help="a run's out_dir (its newest readable step_*) or a step directory")
     p.add_argument("out", help="the folder to write (it must not exist, unless --force)")
     p.add_argument("--loops", type=int, default=None, help="the default K of the export; default: the run's")

@@ -22,7 +22,6 @@ From Python (one LoopedLM across the runs, so that they share its scores):
     for K in (3, 1):
         results = lm_eval.simple_evaluate(model=lm.at(K), tasks=["hellaswag"])
 """
-import argparse
 import difflib
 import hashlib
 import json
@@ -241,7 +240,7 @@ def table(results):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m scripts.lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
+    p = errors.ArgumentParser(prog="python -m scripts.lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--run", required=True, help="a run's out_dir (its newest step_*) or a step directory")
     p.add_argument("--tasks", required=True, help="comma-separated harness tasks, e.g. hellaswag,arc_easy")
     p.add_argument("--loops", default="1,3,6,9,12", help="loop budgets K, all scored in one pass at the largest")

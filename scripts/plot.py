@@ -272,7 +272,8 @@ def save(fig, out):
 
 def main(argv):
     """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for table, its Markdown."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(prog="python -m scripts.plot", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     helps = {"diag": "residual norm (loop 1), training loss, first-layer FFN gradient norm (Figs. 2-4)",
              "loss": "smoothed training loss; runs that stopped early end in an x (Figs. 5, 10)",

@@ -78,6 +78,17 @@ def test_the_hook_of_a_flat_script_follows_the_same_rule(monkeypatch, capsys):
     assert tracebacks == [bug]
 
 
+def test_a_command_line_mistake_of_an_argparse_script_is_a_value_error():
+    """scripts/ and flt.corpus parse with errors.ArgumentParser: argparse's usage lines and exit 2
+    become one ValueError, which user_errors prints as the one line."""
+    from scripts import plot
+    with pytest.raises(ValueError, match=r"^the following arguments are required: runs \(python -m scripts.plot "
+                                         r"sweep --help shows the usage\)$"):
+        plot.main(["sweep"])
+    with pytest.raises(ValueError, match=r"^unrecognized arguments: --nope"):
+        plot.main(["table", "run", "--nope"])
+
+
 # ----------------------------------------------------------------------------- settings a file declares
 def test_imported_names_and_constants_are_not_settings(tmp_path):
     """A script's settings are the public simple-typed variables it assigns itself: eval.py imports

@@ -266,5 +266,5 @@ def test_table_paper_rows_are_spec_9(tmp_path):
 
 def test_labels_must_match_inputs(tmp_path):
     log = write_log(tmp_path / "run" / "log.jsonl", [1.0])
-    with pytest.raises(SystemExit):  # argparse's usage error, before matplotlib is needed
+    with pytest.raises(ValueError, match="--labels: 2 given for 1 runs"):  # before matplotlib is needed
         plot.main(["diag", str(log), "--labels", "a", "b"])
