@@ -69,11 +69,11 @@ def user_errors(program):
 
 def install(program):
     """The same rule for an exception that ends the script (sys.excepthook): Python then exits with 1."""
-    def hook(kind, e, traceback):
+    def hook(kind, e, tb):
         if is_user_error(e):
             report(program, e)
         else:
-            sys.__excepthook__(kind, e, traceback)
+            sys.__excepthook__(kind, e, tb)
     sys.excepthook = hook
 
 
