@@ -5,17 +5,19 @@ A config file (positional) overrides the defaults, each --key=value overrides bo
 """
 import ast
 import runpy
-import types
 
-from flt.usage import describe
+from flt import usage
 
 SETTING_TYPES = (bool, int, float, str, type(None))
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def settings_of(namespace):
-    """The settings in a module namespace: public variables of simple types."""
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in SETTING_TYPES}
+    """The settings in a module namespace: public variables of simple types, not UPPERCASE constants
+    or names its file imports (eval.py's ROPE_SPAN is model.py's constant, not a setting)."""
+    theirs = usage.imported(namespace["__file__"]) if "__file__" in namespace else ()
+    public = {k: v for k, v in namespace.items() if not k.startswith("_") and not k.isupper()}
+    return {k: v for k, v in public.items() if k not in theirs and type(v) in SETTING_TYPES}
 
 
 def _checked(key, value, default, source, words=()):
@@ -47,23 +49,21 @@ def configure(namespace, argv, source=None):
     the settings of the script `source` (default: namespace's __file__) and exits. A script's
     `_WORDS = {key: (word, ...)}` lets a setting also take those strings (train.py: --resume=auto)."""
     defaults, words = settings_of(namespace), namespace.get("_WORDS", {})
-    if {"--help", "-h"} & set(argv):
-        print(describe(source or namespace["__file__"], defaults))
-        raise SystemExit(0)
+    usage.help_requested(argv, source or namespace.get("__file__"), defaults)  # prints, exits
     for arg in argv:
         if arg.startswith("--"):
             key, sep, raw = arg[2:].partition("=")
             if key not in defaults:
-                raise ValueError(f"--{key}: unknown setting {key!r}; known: {', '.join(sorted(defaults))}")
+                raise ValueError(usage.unknown(f"--{key}", key, defaults))
             if not sep and not isinstance(defaults[key], bool):
                 raise ValueError(f"--{key}: expected --{key}=value")
             namespace[key] = _parse(key, raw, defaults[key], f"--{key}", words.get(key, ())) if sep else True
         elif arg.endswith(".py"):
-            scope = runpy.run_path(arg)  # FileNotFoundError names the file
-            for key, value in scope.items():  # builtins and the imports a config file may use are skipped
-                if not key.startswith("_") and not isinstance(value, types.ModuleType):
+            theirs = usage.imported(arg)  # a missing file: a FileNotFoundError naming it
+            for key, value in runpy.run_path(arg).items():  # not its builtins or imports
+                if not key.startswith("_") and key not in theirs:
                     if key not in defaults:
-                        raise ValueError(f"{arg}: unknown setting {key!r}")
+                        raise ValueError(usage.unknown(arg, key, defaults))
                     namespace[key] = _checked(key, value, defaults[key], arg, words.get(key, ()))
         else:
             raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")

@@ -6,9 +6,9 @@ Evaluate one looped checkpoint at several loop budgets K: a row of the paper's T
     torchrun --nproc_per_node=8 eval.py out/base_flt_k9/step_004000 --max_per_task=500
 
 The argument is a run's out_dir (its newest step_*), a step directory or an exported Hugging Face folder.
-Results go to <step dir>/eval.json (setting `out`) and a table to eval.md beside it. Each mode is planned
-first, then run with progress lines; one that cannot run (offline) leaves the others running, eval.json
-keeps what was computed, and the exit status is non-zero (docs/evaluation.md).
+Results merge into <step dir>/eval.json (setting `out`) by (K, metric), a rerun replacing what it
+computes again; eval.md beside it tables them all. Modes are planned, then run with progress lines;
+one that cannot run (offline) leaves the others running and the exit status 1 (docs/evaluation.md).
 
 Budget sweep (the paper's Fig. 6): every loop's output h(t) is a valid prediction point, so ONE forward at
 max(loops) yields each requested K's logits as head(h(K)); every metric goes through `loop_losses`.
@@ -69,7 +69,7 @@ from torch.nn.utils.rnn import pad_sequence
 import data
 from configurator import settings_of
 from data import protocol_chunks, rows, wiki_windows  # the authors' loaders: which tokens are scored
-from flt import corpus, report, runtime, tracking
+from flt import corpus, errors, report, runtime, tracking
 from flt.checkpoint import load_model
 from flt.corpus import load_bundle, load_items, load_rows  # the evaluation inputs, read and checked
 from flt.runtime import print0
@@ -426,8 +426,8 @@ def sample_mode(c, ctx):
             texts.setdefault(K, []).append(runtime.sample(ctx.model, ctx.tokenizer, prompt, c.sample_tokens,
                                                           temperature=c.temperature, seed=c.seed, loops=K))
             progress()
-        for K, t in texts.items():
-            print0(f"--- K={K}\n" + "\n".join(repr(s) for s in t))
+        for K, t in texts.items():  # as text, each between two rules
+            print0("\n".join(runtime.framed(f"sample at K={K}", s) for s in t))
         return {K: {"samples": t} for K, t in texts.items()}, {}
     return (f"{len(SAMPLE_PROMPTS)} prompts x {c.sample_tokens} tokens at each K in {ctx.loops}, cached decoding",
             sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)
@@ -452,8 +452,7 @@ def estimate(c, ctx, planned):
 def main(argv):
     ckpt, c, run_modes, loops_list, thresholds = report.parse(argv, settings_of(globals()), __file__, MODES)
     rt = runtime.setup(c.device)
-    if c.dtype:  # checked before any time is spent on the checkpoint; "" = the dtype it trained with
-        runtime.dtype_bytes(c.dtype)
+    runtime.dtype_bytes(c.dtype or "fp32")  # checked before the checkpoint loads; "" = the run's
     runtime.init_group(rt)
     model, meta = load_model(ckpt, rt.device, log=print0)  # the newest readable checkpoint, saying so
     settings = meta.get("settings", {})
@@ -464,20 +463,21 @@ def main(argv):
                           numerics=runtime.precision(model, rt.device_type, c.dtype or settings.get("dtype", "fp32")),
                           tokenizer=data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),  # with the
                                                         bos=settings.get("bos_token", data.BOS)))   # weights
-    json_path = c.out or os.path.join(meta["path"], "eval.json")
-    print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K={model.config.loops}; "
-           f"evaluating K in {loops_list} on {rt.device}, world {rt.world}")
-    record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(c)}
+    json_path, step = c.out or os.path.join(meta["path"], "eval.json"), meta.get("step")
+    print0(f"{meta['path']} (step {step}): {model.config.variant}, trained at K="
+           f"{model.config.loops}; evaluating K in {loops_list} on {rt.device}, world {rt.world}")
+    record = {"checkpoint": meta["path"], "step": step, "settings": vars(c), "time": report.now()}
 
-    def save(results, measured):  # after every mode, on rank 0; each file replaced atomically
+    def save(results, measured):  # after each mode, on rank 0: merged into eval.json, atomically
         if rt.rank == 0:
-            report.write_results(json_path, record, results, measured, write=runtime.atomic_write)
+            with corpus.locked(json_path):  # another eval.py of this checkpoint merges in turn
+                report.write_results(json_path, record, results, measured, runtime.atomic_write)
     plans = {mode: functools.partial(PLANS[mode], c, ctx) for mode in run_modes}
     results, measured, failed = report.run_modes(plans, functools.partial(estimate, c, ctx), ctx.numerics, save,
                                                  loops_list, print0)
     print0("\n" + report.table(results) + (f"written to {json_path}" if measured else "nothing computed"))
-    if c.wandb and rt.rank == 0 and measured:  # into the W&B run the training logged (tracking.py)
-        tracking.log_results(os.path.dirname(meta["path"]), results, meta.get("step"))
+    if c.wandb and rt.rank == 0 and measured:  # all eval.json holds, to the run's W&B (tracking.py)
+        tracking.log_results(os.path.dirname(meta["path"]), json_path, step)
     runtime.finish(rt)  # rank 0 was writing
     if failed:
         print0(report.failures(failed, len(run_modes), json_path, measured), file=sys.stderr)
@@ -486,5 +486,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    with runtime.user_errors():  # a bad setting: its message and exit status 1, no traceback
+    with errors.user_errors("eval.py"):  # a user's mistake: one line, exit status 1 (flt/errors.py)
         main(sys.argv[1:])

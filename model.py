@@ -1,17 +1,16 @@
 """
 The Fully Looped Transformer (Fu et al., 2026) and its four looped ancestors, in one file.
 
-A looped transformer runs the same L blocks K times ("loops"): depth without new
-parameters. Plain looping (LT) is unstable: the residual stream grows with every loop
-and training collapses at high K. The paper's fix, FLT, restarts every loop from the
-raw embedding and lets the previous loop steer each layer's attention (queries from the
-previous loop's output, keys/values from the current stream), so what a loop reads is
-bounded by softmax. Read top to bottom: config, norm/RoPE, attention, MLP, block, the two
-variant choices, the model and its loop (GPT.loop_states), decoding's KV cache, the exit rule.
+A looped transformer runs the same L blocks K times ("loops"): depth without new parameters. Plain
+looping (LT) is unstable: the residual stream grows with every loop and training collapses at high
+K. The paper's fix, FLT, restarts every loop from the normalised embedding norm(e) and lets the
+previous loop steer each layer's attention (queries from its output, keys/values from the current
+stream), so what a loop reads is bounded by softmax. Read top to bottom: config, norm/RoPE,
+attention, MLP, block, the two variant choices, the model, decoding's KV cache, the exit rule.
 
-The five variants differ only in two choices (so one loop body serves all), made once per loop and once per layer:
-  restart(t):    what the stream starts loop t from  (LT: h, LT_i: norm(e + h), else norm(e))
-  inject(layer): how the layer sees the previous loop (none, "attn" injection, or "res")
+Five variants, two choices, one loop body (GPT._loop, run K times by GPT.loop_states); loop t >= 2:
+  restart(variant, e, x0, h_prev)  its start: h_prev (LT), norm(e + h_prev) (LT_i), x0 = norm(e)
+  injection(variant, layer)        how each layer sees h_prev: None, "attn" (injection) or "res"
 """
 import math
 from contextlib import nullcontext

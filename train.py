@@ -16,10 +16,12 @@ import torch
 import data
 import eval as evaluation
 from configurator import configure
-from flt import checkpoint, cluster, corpus, diagnostics, planning, runtime, tracking
+from flt import checkpoint, cluster, corpus, diagnostics, errors, planning, runtime, tracking
 from flt.runtime import print0
 from model import GPT, GPTConfig
 from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum, reduce_gradients, sample_loops
+
+errors.install("train.py")  # a mistake in a setting, path or file: one line on stderr, exit code 1
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -211,28 +213,21 @@ watched = diagnostics.watched_modules(model, watch_layer)  # gradient norms of F
 val_chunks = {}  # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 
 
-# Evaluation runs eagerly: its shapes (CORE's prompt lengths) would fill the cache training's graphs need.
-@torch.compiler.set_stance("force_eager")
 def validate(n_tokens):
     """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the authors' loop)."""
     if n_tokens not in val_chunks:
         val_chunks[n_tokens] = evaluation.protocol_chunks(val_files, tok, sequence_len, n_tokens, world_size,
                                                           device_batch_size, rank, world_size)[0]
-    model.eval()
-    with autocast:
+    with runtime.evaluating(model, autocast):  # eval mode, eager
         bpb, n = evaluation.evaluate_bpb(model, val_chunks[n_tokens], byte_tables, [config.loops])
-    model.train()
     return {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops], "val_tokens": n}
 
 
-@torch.compiler.set_stance("force_eager")
 def core():
     """CORE at the trained loop count on the first core_max_per_task items of every task (Fig. 9)."""
-    model.eval()
-    with autocast:
+    with runtime.evaluating(model, autocast):
         result = evaluation.evaluate_core(model, tok, core_tasks, [config.loops], device_batch_size,
                                           core_max_per_task, log=lambda *args: None)
-    model.train()
     return result[config.loops]["CORE"]
 
 
@@ -262,6 +257,10 @@ preemption = cluster.Preemption()
 clock = cluster.Clock(save_interval_minutes)
 preempted = save_due = False  # what the ranks agreed at the last step
 last_read = time.time()  # of the last step's values: the step time is the time between two reads
+# The loop, one optimizer step a pass, in five parts: evaluate and save (validate, save; the last
+# step does only these, then leaves); forward and backward (model(x, y), loss.backward(), grad_accum
+# times); reduce and read (reduce_gradients: one all-reduce; diagnostics.read: one host sync); clip
+# and step (clip_coefficient, the schedules, opt.step); log (print0, log.write, divergence check).
 while True:
     last_step = step == num_steps  # the last step only evaluates and saves: step num_steps is the final model
     record = {"step": step}
@@ -350,7 +349,9 @@ while True:
 
 log.write(record)
 log.close()
-if master and sample_tokens > 0:
-    with autocast:
-        print0("sample:", repr(runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50, seed=seed)))
+if master and sample_tokens > 0:  # the trained model continues "The"
+    with runtime.evaluating(model, autocast):
+        text = runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50,
+                              seed=seed)
+    print(runtime.framed("sample: temperature 0.8, top_k 50", text))
 runtime.finish(rt)  # rank 0 may still have been sampling

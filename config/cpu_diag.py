@@ -1,5 +1,5 @@
 # The diagnostic experiment at CPU scale on the embedded corpus (docs/recipe.md, "A CPU-scale rerun"):
-# depth 2 (d_model 128), K = 12 by default, 400 steps of 1024 tokens, about 4 minutes a run.
+# depth 2 (d_model 128), K = 12 by default, 400 steps of 1024 tokens: 4 to 7 minutes on 2 cores.
 #   python train.py config/cpu_diag.py --variant=LT        # -> out/cpu_diag/d2_lt_k12
 device = "cpu"
 depth = 2

@@ -13,8 +13,8 @@ place whole: a file renamed by two hosts gets the same bytes twice (a download i
 file, a build is deterministic); a directory renamed second finds the first one in place and uses
 it. Before bytes are written, the free space is checked (runtime.check_free_space).
 
-    python corpus.py --download 249   # the authors' 249 training shards + their validation shard
-    python corpus.py --embedded       # build the embedded corpus (no network)
+    python -m flt.corpus --download 249   # the authors' 249 training shards + their validation shard
+    python -m flt.corpus --embedded       # build the embedded corpus (no network)
 """
 import argparse
 import contextlib
@@ -46,7 +46,7 @@ import requests
 from urllib3.exceptions import NameResolutionError
 import yaml
 
-from flt import runtime
+from flt import errors, runtime
 from flt.runtime import atomic_write
 
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -165,29 +165,40 @@ def download(url, path, retries=5, backoff=1.0, hint=None, progress=None):
     complete: a restart on the same host resumes it, another host sharing the directory (whose
     lock may not exclude ours) writes its own. hint ends the error message: how to do without the network.
     """
-    with locked(path):
-        if os.path.exists(path):  # already there, or another rank finished it while we waited
-            return path
-        part, progress = _part(path), progress or Progress(path, 1, "files", each=True)
-        for attempt in range(1, retries + 1):
-            try:
-                _fetch(url, part, progress)
-                os.replace(part, path)
-                progress()
+    made, parent = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(parent):  # the folders this call creates: a failure removes them again
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        with locked(path):
+            if os.path.exists(path):  # already there, or another rank finished it while we waited
                 return path
-            except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
-                error, status = e, e.response.status_code if isinstance(e, requests.HTTPError) else 0
-                if isinstance(getattr(e.args[0] if e.args else None, "reason", None), NameResolutionError):
-                    break  # no such host, or no network at all: waiting cannot help
-                if 400 <= status < 500 and status not in (408, 429):
-                    # wrong URL or no access: retrying cannot help, and there is nothing to resume
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(part)
-                    break
-            if attempt < retries:
-                time.sleep(backoff * 2 ** (attempt - 1))
-        hint = hint or "offline? put the file at that path yourself (data_dir says where files are)"
-        raise ConnectionError(f"download failed after {attempt} attempts: {url} -> {path}: {error}\n{hint}")
+            part, progress = _part(path), progress or Progress(path, 1, "files", each=True)
+            for attempt in range(1, retries + 1):
+                try:
+                    _fetch(url, part, progress)
+                    os.replace(part, path)
+                    progress()
+                    return path
+                except requests.RequestException as e:  # dropped connection, timeout, 5xx: retry
+                    error, status = e, e.response.status_code if isinstance(e, requests.HTTPError) else 0
+                    if isinstance(getattr(e.args[0] if e.args else None, "reason", None), NameResolutionError):
+                        break  # no such host, or no network at all: waiting cannot help
+                    if 400 <= status < 500 and status not in (408, 429):
+                        # wrong URL or no access: retrying cannot help, and there is nothing to resume
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(part)
+                        break
+                if attempt < retries:
+                    time.sleep(backoff * 2 ** (attempt - 1))
+            hint = hint or "offline? put the file at that path yourself (data_dir says where files are)"
+            raise ConnectionError(f"download failed after {attempt} attempts: {url} -> {path}: {error}\n{hint}")
+    except BaseException:
+        for folder in made:  # deepest first; one that holds anything (a resumable .part file) stays
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+
 
 # ---- Parquet shards (a string column `text`) and the manifest that vouches for complete ones
 def open_parquet(path):
@@ -432,7 +443,8 @@ def val_shard(settings, data_dir, base_url=DEFAULT_BASE_URL):
 
 def fetch_wikitext(url, data_dir):
     """The wikitext-2-v1 test split (a parquet file at url) in data_dir/wikitext/."""
-    return download(url, os.path.join(data_dir, "wikitext", "wikitext-2-v1-test.parquet"))
+    return download(url, os.path.join(data_dir, "wikitext", "wikitext-2-v1-test.parquet"),
+                    hint="offline? put the file at that path, or give --wiki_path=<its parquet or wiki.test.tokens>")
 
 
 def fetch_bundle(bundle_dir, url):
@@ -440,7 +452,8 @@ def fetch_bundle(bundle_dir, url):
     The unpacked directory is renamed into place, so a half-extracted bundle is never seen."""
     if os.path.isdir(bundle_dir):
         return bundle_dir
-    zip_path = download(url, os.path.abspath(bundle_dir) + ".zip")  # creates bundle_dir's parent
+    zip_path = download(url, os.path.normpath(bundle_dir) + ".zip",  # creates bundle_dir's parent
+                        hint="offline? put the zip at that path, or give --bundle_dir=<the unpacked eval_bundle>")
     try:
         z = zipfile.ZipFile(zip_path)
     except FileNotFoundError:  # another host sharing the directory unpacked it and removed the zip
@@ -526,16 +539,17 @@ def load_items(task, max_per_task):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(prog="python -m flt.corpus", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--download", type=int, metavar="N",
                         help="first N training shards (249: the authors') + validation shard 249")
     action.add_argument("--embedded", action="store_true", help="build the embedded corpus")
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL)
-    args = parser.parse_args()
-    if args.download is not None:
-        download_shards(args.download, args.data_dir, args.base_url)
-    else:
-        embedded_corpus(args.data_dir)
+    with errors.user_errors("flt.corpus"):  # offline, a full disk, a bad shard: one line, exit status 1
+        args = parser.parse_args()
+        if args.download is not None:
+            download_shards(args.download, args.data_dir, args.base_url)
+        else:
+            embedded_corpus(args.data_dir)

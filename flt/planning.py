@@ -15,6 +15,7 @@ from flt import checkpoint
 from flt import corpus
 import data
 from flt import tracking
+from model import ATTNS, VARIANTS
 from optim import LOOP_SAMPLERS
 from flt.runtime import dtype_bytes, resolve_dtype
 
@@ -111,7 +112,7 @@ def check_settings(s, defaults):
         raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
                 "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
-                "core_max_per_task", "loader_prefetch"):
+                "core_max_per_task", "loader_prefetch", "loops"):
         if s[key] < 1:
             bad(key, "a positive integer")
     for key in ("keep_every", "core_interval", "divergence_window"):
@@ -124,7 +125,8 @@ def check_settings(s, defaults):
     if s["watch_layer"] >= s["depth"]:
         bad("watch_layer", f"a layer index below depth={s['depth']}, or -1")
     for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
-                         ("horizon_params", ("all", "non_embedding")), ("loops_sampler", LOOP_SAMPLERS)):
+                         ("horizon_params", ("all", "non_embedding")), ("loops_sampler", LOOP_SAMPLERS),
+                         ("variant", VARIANTS), ("attn", ATTNS)):
         if s[key] not in allowed:
             bad(key, " or ".join(map(repr, allowed)))
     sampler, fixed = s["loops_sampler"], s["loops_sampler"] == "fixed"

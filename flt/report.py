@@ -2,7 +2,8 @@
 
 - Table 1, in one place: eval.py writes it (eval.md and eval.json's "table", a row per evaluated K)
   and `plot.py table` lays it out over runs (a row per run, the paper's numbers below).
-- eval.json and eval.md, written after every mode (write_results).
+- eval.json and eval.md, written after every mode: each run's results merged into what the file holds
+  (write_results), read back by scripts.plot and eval.py --wandb (read_results).
 - eval.py's command line (parse: a bad setting is a ValueError naming it) and its plan-then-run
   (run_modes: a plan line per mode before any forward, the time estimate, each mode run and saved;
   a mode that cannot run is reported and the others still run; failures: the closing line).
@@ -17,10 +18,11 @@ import os
 import statistics
 import sys
 import time
+from datetime import datetime
 from types import SimpleNamespace
 
 from configurator import configure
-from flt import tracking
+from flt import errors, tracking
 
 
 # ----------------------------------------------------------------------------- Table 1
@@ -56,6 +58,10 @@ def values(r):
     return [metric(r, key) for _, key, *_ in COLUMNS]
 
 
+# The cells of a run whose training collapsed, as the paper's Table 1 marks LT at K=9
+COLLAPSED = ["collapsed"] + [""] * (len(COLUMNS) - 1)
+
+
 def cells(numbers, missing="-"):
     """Table 1's cells for the numbers of COLUMNS, scaled and rounded; `missing` for a None."""
     return [missing if v is None else f"{v * scale:.{digits}f}" for v, (_, _, scale, digits) in zip(numbers, COLUMNS)]
@@ -74,13 +80,82 @@ def table(results):
 
 
 # ----------------------------------------------------------------------------- eval.json
-def write_results(json_path, record, results, measured, write):
-    """eval.json (record, what was measured, the results by K and their table) and eval.md beside it,
-    each through write(path, text): eval.py's runtime.atomic_write, so a reader never sees half a file."""
-    md = table(results)
-    write(json_path, json.dumps(record | {"measured": measured, "results": {str(K): r for K, r in results.items()},
-                                          "table": md}, indent=1))
+# eval.json accumulates: each eval.py run on a checkpoint merges its results into what the file holds,
+# by (K, metric), so a rerun replaces only the entries it computed again (docs/evaluation.md). Its keys:
+#   results    {K: {metric: value}}, every entry the file holds (scripts.plot and eval.py --wandb read it)
+#   computed   {K: {metric: run}}, the run that computed each entry: the time it started, a key of runs
+#   runs       {run: {"settings", "measured"}}, each run's settings and what its modes measured
+#   table      Table 1's rows of every K in results, as eval.md beside it
+#   checkpoint, step: the checkpoint scored
+
+
+def now():
+    """A run's key in eval.json: the local time it started, to the millisecond."""
+    return datetime.now().astimezone().isoformat(timespec="milliseconds")
+
+
+def read_results(path):
+    """An eval.json, as write_results writes it; one written before results accumulated (a single
+    run's, without computed and runs) reads as that run's, keyed by the file's time. A file that is
+    not an eval.json is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if not all(K.isdigit() and isinstance(r, dict) for K, r in doc["results"].items()):
+            raise ValueError("results: expected {K: {metric: value}}")
+        if "runs" in doc and doc["computed"].keys() != doc["results"].keys():
+            raise ValueError("computed: expected the Ks of results")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not an eval.json of eval.py ({type(e).__name__}: {e})") from None
+    if "runs" not in doc:
+        run = datetime.fromtimestamp(os.path.getmtime(path)).astimezone().isoformat(timespec="milliseconds")
+        doc["computed"] = {K: dict.fromkeys(r, run) for K, r in doc["results"].items()}
+        doc["runs"] = {run: {"settings": doc.pop("settings", {}), "measured": doc.pop("measured", {})}}
+    return doc
+
+
+def same_checkpoint(doc, record):
+    """Whether an eval.json (doc) holds the results of record's checkpoint: the same step, and the
+    same directory where both paths exist from here (a path may be relative to another directory)."""
+    paths = [doc.get("checkpoint") or "", record["checkpoint"]]
+    if all(map(os.path.exists, paths)) and not os.path.samefile(*paths):
+        return False
+    return doc.get("step") == record["step"]
+
+
+def write_results(json_path, record, results, measured, write, log=print):
+    """Merge one run's results ({K: {metric: value}}) into json_path and rebuild eval.md beside it from
+    everything the file then holds. record: the run's {"checkpoint", "step", "settings", "time"} (its
+    key, now()); measured: {mode: what it measured}. write(path, text) writes each file: eval.py's
+    runtime.atomic_write, so a reader never sees half of one. A file there that is not an eval.json,
+    or holds another checkpoint's results, is renamed aside, never overwritten, and log says so."""
+    doc = {"checkpoint": record["checkpoint"], "step": record["step"], "results": {}, "computed": {}, "runs": {}}
+    if os.path.exists(json_path):
+        try:
+            old, why = read_results(json_path), None
+        except ValueError as e:
+            old, why = None, str(e)
+        if old and not same_checkpoint(old, record):
+            why = (f"{json_path} holds the results of {old.get('checkpoint')} (step {old.get('step')}), not of "
+                   f"{record['checkpoint']} (step {record['step']})")
+        if why:
+            aside = f"{json_path}.{'other' if old else 'unreadable'}.{record['time'].replace(':', '')}"
+            os.rename(json_path, aside)
+            log(f"eval.py: {why}; kept it as {aside}, and {json_path} starts anew", file=sys.stderr)
+        else:
+            doc |= {key: old[key] for key in ("results", "computed", "runs")}
+    for K, r in results.items():
+        doc["results"].setdefault(str(K), {}).update(r)
+        doc["computed"].setdefault(str(K), {}).update(dict.fromkeys(r, record["time"]))
+    doc["runs"][record["time"]] = {"settings": record["settings"], "measured": measured}
+    used = {run for by_metric in doc["computed"].values() for run in by_metric.values()}
+    doc["runs"] = {run: r for run, r in doc["runs"].items() if run in used}  # none replaced whole
+    for key in ("results", "computed"):
+        doc[key] = dict(sorted(doc[key].items(), key=lambda item: int(item[0])))
+    md = table({int(K): r for K, r in doc["results"].items()})
+    write(json_path, json.dumps(doc | {"table": md}, indent=1))
     write(os.path.splitext(json_path)[0] + ".md", md)
+    return doc
 
 
 # ----------------------------------------------------------------------------- eval.py's run
@@ -150,7 +225,8 @@ def run_modes(plans, estimate, numerics, save, loops, log):
     fetching and counting its inputs, no forward yet; a plan that raises is reported and its mode left
     out. Then the estimate line (estimate(planned) -> {mode: seconds}), then each run() in `numerics`,
     returning ({K: results at K}, what was measured), and save(results, measured) after each mode. A
-    mode that fails is reported and the others still run. Returns (results, measured, failed)."""
+    mode that fails is reported and the others still run (a bug with its traceback: errors.explained).
+    Returns (results, measured, failed)."""
     planned, failed = {}, {}
     for mode, plan in plans.items():
         try:
@@ -158,7 +234,7 @@ def run_modes(plans, estimate, numerics, save, loops, log):
             log(f"plan {mode:<6} {planned[mode][0]}")
         except Exception as e:
             failed[mode] = e
-            log(f"plan {mode:<6} cannot run: {e}", file=sys.stderr)
+            log(f"plan {mode:<6} cannot run: {errors.explained(e)}", file=sys.stderr)
     if planned:
         expected = estimate(planned)
         log("estimate (from the first forwards): " + ", ".join(f"{m} ~{minutes(s)}" for m, s in expected.items()) +
@@ -170,7 +246,7 @@ def run_modes(plans, estimate, numerics, save, loops, log):
                 by_K, measured[mode] = run()
         except Exception as e:
             failed[mode] = e
-            log(f"eval.py: mode {mode!r} failed: {e}", file=sys.stderr)
+            log(f"eval.py: mode {mode!r} failed: {errors.explained(e)}", file=sys.stderr)
             continue
         for K, r in by_K.items():
             results[K].update(r)

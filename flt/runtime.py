@@ -7,8 +7,9 @@
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
     runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
-    with runtime.user_errors(): ...   # a script's top level: a bad setting is a message, no traceback
-    runtime.sample(model, tokenizer, "The", 64, loops=3)
+    with runtime.evaluating(model, autocast): ...   # train.py's evaluations: eval mode, eager
+    text = runtime.sample(model, tokenizer, "The", 64, loops=3)
+    print(runtime.framed("sample", text))  # a sample as text, between two rules
 """
 import contextlib
 import errno
@@ -231,15 +232,16 @@ def check_free_space(path, needed, what, hint):
 
 
 @contextlib.contextmanager
-def user_errors():
-    """A script's top level: a ValueError or FileNotFoundError (the errors whose message names the
-    setting, file or value and says what is allowed) ends the process with that message on stderr
-    and exit status 1, without a traceback. Any other exception is a bug and keeps its traceback."""
+def evaluating(model, autocast):
+    """train.py's evaluations: the model in eval mode, in its autocast context and eager (an evaluation's
+    shapes, CORE's prompt lengths, would fill the compile cache training's graphs need), then in train
+    mode again."""
+    model.eval()
     try:
-        yield
-    except (ValueError, FileNotFoundError) as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        with autocast, torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        model.train()
 
 
 def sample(model, tokenizer, prompt, max_new_tokens, **generate_kwargs):
@@ -250,3 +252,8 @@ def sample(model, tokenizer, prompt, max_new_tokens, **generate_kwargs):
     device = next(model.parameters()).device
     new = [t.item() for t in model.generate(torch.tensor([ids], device=device), n, **generate_kwargs)]
     return tokenizer.decode(ids[1:] + new)  # decoded whole: no split characters
+
+
+def framed(title, text, width=72):
+    """A sample as it reads (its newlines kept, not a repr), between a rule naming it and a closing rule."""
+    return f"{f'---- {title} ':-<{width}}\n{text.rstrip()}\n{'-' * width}"

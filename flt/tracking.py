@@ -2,7 +2,7 @@
 
     tracker = tracking.Tracker("flt", out_dir, settings)  # rank 0; train.py's wandb_project
     tracker.log(record)                                   # every log.jsonl record, as it is written
-    tracking.log_results(out_dir, results, step)          # eval.py --wandb: its table, to the same run
+    tracking.log_results(out_dir, eval_json, step)        # eval.py --wandb: all eval.json holds, to the same run
 
 Off by default: nothing here imports wandb unless asked (pip install -r requirements/wandb.txt).
 The run's id is kept in out_dir/wandb.json, so a resumed run (and eval.py) continues the same
@@ -68,11 +68,13 @@ class Tracker:
         self.run.finish()
 
 
-def log_results(out_dir, results, step):
-    """eval.py's {K: {metric: value}} of the checkpoint at `step` into the W&B run train.py logged
-    (out_dir's wandb.json): the summary's eval/<metric>/K<K>, and a table with a row per K."""
+def log_results(out_dir, eval_json, step):
+    """Everything eval.py's eval_json holds ({K: {metric: value}} of the checkpoint at `step`, every
+    run's) into the W&B run train.py logged (out_dir's wandb.json): the summary's eval/<metric>/K<K>,
+    and a table with a row per K."""
+    from flt.report import read_results  # here: report.py imports this module
     run = _init(out_dir, "eval.py --wandb")
-    rows = {K: flat(row) for K, row in results.items()}
+    rows = {K: flat(row) for K, row in read_results(eval_json)["results"].items()}
     metrics = sorted({m for row in rows.values() for m in row})
     run.summary.update({f"eval/{m}/K{K}": v for K, row in rows.items() for m, v in row.items()} | {"eval/step": step})
     table = [[int(K)] + [row.get(m) for m in metrics] for K, row in rows.items()]

@@ -1,6 +1,32 @@
 """--help for the scripts whose module-level variables are their settings (train.py, eval.py,
 bench.py; configurator.py calls it): each setting with its default and its comment, as the file
-writes them, under the comment lines that group them."""
+writes them, under the comment lines that group them. And what configurator.py asks of a script's
+file: the names it imports (not settings), and the error for a setting it does not have."""
+import ast
+import difflib
+
+
+def imported(path):
+    """The names the Python file at path binds by its top-level imports: module globals that are not its
+    own settings. A missing file is a FileNotFoundError naming path as given."""
+    with open(path) as f:
+        body = ast.parse(f.read()).body
+    return {(alias.asname or alias.name).split(".")[0] for node in body
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+
+def unknown(source, key, defaults):
+    """The error message for a setting `key` that is not among `defaults`: the close names, or every one."""
+    close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.7)
+    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"the settings: {', '.join(sorted(defaults))}"
+    return f"{source}: unknown setting {key!r}; {hint} (--help lists them)"
+
+
+def help_requested(argv, path, defaults):
+    """With --help or -h in argv: the settings of the script at path printed, and SystemExit(0)."""
+    if {"--help", "-h"} & set(argv):
+        print(describe(path, defaults))
+        raise SystemExit(0)
 
 
 def describe(path, defaults):

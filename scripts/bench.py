@@ -34,7 +34,8 @@ import data
 from configurator import configure
 from model import GPT, GPTConfig
 from flt.planning import consumed_tokens_per_s, peak_flops
-from flt.runtime import precision, resolve_dtype, setup, user_errors
+from flt.errors import user_errors
+from flt.runtime import precision, resolve_dtype, setup
 from optim import build_optimizers, clip_coefficient, reduce_gradients
 
 mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf (memory_step: one memory run)
@@ -59,7 +60,7 @@ data_dir = "data"           # loader, lmeval and hf modes: the embedded corpus
 run = ""                    # hf mode: a run's out_dir or step dir; "" = a fresh FLT of this depth, saved and exported
 seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
-with user_errors():  # a bad setting: its message and exit status 1, no traceback (as eval.py)
+with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1, no traceback
     configure(globals(), sys.argv[1:])
     rt = setup(device)  # the device checks of train.py and eval.py; "cuda" becomes "cuda:0"
     device, cuda = rt.device, rt.device_type == "cuda"
@@ -409,7 +410,7 @@ def hf():
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
              "syncs": syncs, "lmeval": lmeval, "hf": hf}
-    with user_errors():
+    with user_errors("scripts.bench"):  # a bad setting or input: one line and exit status 1
         if mode not in modes:
             raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
-    modes[mode]()
+        modes[mode]()

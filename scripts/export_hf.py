@@ -18,7 +18,6 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
 """
-import argparse
 import json
 import os
 import shutil
@@ -30,7 +29,8 @@ from tokenizers.processors import TemplateProcessing
 
 import data
 from flt import checkpoint
-from flt.runtime import atomic_dir, user_errors
+from flt.errors import ArgumentParser, user_errors
+from flt.runtime import atomic_dir
 from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +63,8 @@ def export(run, out, loops=None, force=False, log=print):
             "tie_word_embeddings": False, "use_cache": True, "dtype": "float32"})
         state = {f"model.{k}": v.detach().float().contiguous() for k, v in model.state_dict().items()}
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates its file 0600: readable as every other file here (config.json's mode, the umask's)
+        shutil.copymode(os.path.join(tmp, "config.json"), os.path.join(tmp, "model.safetensors"))
         # transformers encodes with special tokens by default: BOS first, as every training document began
         tok.tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
                                                     special_tokens=[(bos, tok.bos_id)])
@@ -84,7 +86,7 @@ def export(run, out, loops=None, force=False, log=print):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="python -m scripts.export_hf", description=__doc__.split("\n\n")[1].strip())
+    p = ArgumentParser(prog="python -m scripts.export_hf", description=__doc__.split("\n\n")[1].strip())
     p.add_argument("run", help="a run's out_dir (its newest readable step_*) or a step directory")
     p.add_argument("out", help="the folder to write (it must not exist, unless --force)")
     p.add_argument("--loops", type=int, default=None, help="the default K of the export; default: the run's")
@@ -98,5 +100,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    with user_errors():  # a bad path or setting: its message and exit status 1, no traceback
+    with user_errors("scripts.export_hf"):  # a bad path or setting: one line and exit status 1
         main(sys.argv[1:])

@@ -19,11 +19,11 @@ import os
 import sys
 
 from flt import authors
-from flt.runtime import user_errors
+from flt.errors import ArgumentParser, user_errors
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="python -m scripts.import_authors", description=__doc__,
+    p = ArgumentParser(prog="python -m scripts.import_authors", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="their checkpoint dir: model_<step:06d>.pt, meta_<step:06d>.json")
     p.add_argument("out", help="the run dir to write (it must not exist, unless --force)")
@@ -39,5 +39,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    with user_errors():  # input that does not map: its message and exit status 1, no traceback
+    with user_errors("scripts.import_authors"):  # input that does not map: its message and exit status 1, no traceback
         main(sys.argv[1:])

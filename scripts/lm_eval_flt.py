@@ -22,7 +22,6 @@ From Python (one LoopedLM across the runs, so that they share its scores):
     for K in (3, 1):
         results = lm_eval.simple_evaluate(model=lm.at(K), tasks=["hellaswag"])
 """
-import argparse
 import difflib
 import hashlib
 import json
@@ -43,7 +42,7 @@ from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, ma
 from flt import corpus
 import data
 import eval as evaluation
-from flt import report
+from flt import errors, report
 from flt import runtime
 from flt.checkpoint import load_model
 
@@ -241,7 +240,7 @@ def table(results):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m scripts.lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
+    p = errors.ArgumentParser(prog="python -m scripts.lm_eval_flt", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--run", required=True, help="a run's out_dir (its newest step_*) or a step directory")
     p.add_argument("--tasks", required=True, help="comma-separated harness tasks, e.g. hellaswag,arc_easy")
     p.add_argument("--loops", default="1,3,6,9,12", help="loop budgets K, all scored in one pass at the largest")
@@ -291,8 +290,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
+    with errors.user_errors("scripts.lm_eval_flt"):  # a bad path or setting: one line and exit status 1
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as e:
-        print(f"lm_eval_flt: {e}", file=sys.stderr)
-        raise SystemExit(1)

@@ -21,7 +21,7 @@ import math
 import os
 import sys
 
-from flt import report
+from flt import errors, report
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -98,8 +98,7 @@ def read_eval(path):
         path = os.path.join(path, *steps[-1:], "eval.json")  # a step directory holds it directly
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no eval.json; run eval.py on the run's checkpoint first")
-    with open(path) as f:
-        return {int(K): r for K, r in sorted(json.load(f)["results"].items(), key=lambda kv: int(kv[0]))}
+    return {int(K): r for K, r in sorted(report.read_results(path)["results"].items(), key=lambda kv: int(kv[0]))}
 
 
 def ema(values, beta=0.9):
@@ -135,7 +134,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        sys.exit("plot.py needs matplotlib: pip install -r requirements/plot.txt")
+        raise ValueError("the figures need matplotlib, which is not installed: pip install -r requirements/plot.txt")
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
     return plt
@@ -190,15 +189,29 @@ def curves(command, logs, labels, loops, clipped=False):
     return overlay([(label, read_log(path)) for path, label in zip(logs, labels)], panels, titles[command])
 
 
-def sweep(evals, labels, name):
-    """Fig. 6: a metric against the loop count K at evaluation, one line per run, in training-K order."""
+def metrics(results):
+    """The metrics eval.py's results ({K: results at K}) have a number for at some K, by report.metric's
+    names: each number it holds, each task label (its raw accuracy), and avg with all six of Table 1's tasks."""
+    names = {k for r in results.values() for k, v in r.items() if isinstance(v, (int, float))}
+    names |= {label for r in results.values() for label in r.get("tasks", {})}
+    return names | ({"avg"} if any(report.metric(r, "avg") is not None for r in results.values()) else set())
+
+
+def sweep(evals, labels, name=None):
+    """Fig. 6: a metric against the loop count K at evaluation, one line per run, in training-K order.
+    name None: the six-task average (avg) where a run has it, else val_bpb, saying so."""
     runs = sorted(((run_settings(path).get("loops", math.inf), label, read_eval(path))
                    for path, label in zip(evals, labels)), key=lambda run: run[0])
+    found = sorted(set().union(*(metrics(results) for *_, results in runs)))
+    asked = f"--metric {name!r}" if name else "the six-task average (avg) or val_bpb"
+    if name is None and "avg" not in found and "val_bpb" in found:
+        print("sweep: no run has Table 1's six tasks (eval.py --modes=core), so no six-task average: drawing "
+              f"val_bpb; --metric draws another of: {', '.join(found)}")
+    name = name or ("avg" if "avg" in found or "val_bpb" not in found else "val_bpb")
+    if name not in found:
+        raise ValueError(f"{asked}: not in the runs' eval.json; they have: "
+                         f"{', '.join(found) or 'no metric (eval.py --modes=bpb,wiki,core computes them)'}")
     points = [{K: v for K, r in results.items() if (v := report.metric(r, name)) is not None} for _, _, results in runs]
-    if not any(points):
-        found = sorted({k for *_, results in runs for r in results.values()
-                        for k in [*(k for k, v in r.items() if isinstance(v, (int, float))), *r.get("tasks", {})]})
-        raise ValueError(f"--metric {name!r}: not in the eval.json results; use avg or one of {', '.join(found)}")
     ylabel = "six-task average accuracy" if name == "avg" else name
     fig = overlay([(label, p) for (_, label, _), p in zip(runs, points)],
                   [(ylabel, ylabel, lambda p: (list(p), list(p.values())), False)],
@@ -230,10 +243,10 @@ def exit_curves(evals, labels):
 # ----------------------------------------------------------------------------- Table 1
 def table(evals, labels, paper=False):
     """Markdown in the paper's Table 1 layout (report.py), one row per run at its training K (every
-    evaluated K if the run has no settings.json). "-" for a missing value and for every value of a
-    collapsed run: its log marks it diverged, or a value at that K is not finite. paper: the paper's
-    row below each run it reports."""
-    rows, none = [], [None] * len(report.COLUMNS)
+    evaluated K if the run has no settings.json). Two marks: "-" for a value never measured, and
+    "collapsed" (the paper's word, its other cells blank) for a run whose training collapsed: its log
+    marks it diverged, or a value at that K is not finite. paper: the paper's row below each run it reports."""
+    rows = []
     for path, label in zip(evals, labels):
         settings, collapsed = run_settings(path), diverged(path)
         results = {} if collapsed else read_eval(path)
@@ -241,11 +254,12 @@ def table(evals, labels, paper=False):
             values = report.values(results.get(K, {}))
             bad = any(v is not None and not math.isfinite(v) for v in values)
             rows.append([label or run_name(path), settings.get("depth", "-"), K,
-                         *report.cells(none if collapsed or bad else values)])
+                         *(report.COLLAPSED if collapsed or bad else report.cells(values))])
             key = (settings.get("depth"), model_name(settings), K) if settings else None
             if paper and key in report.PAPER:
-                theirs = report.PAPER[key] or {}  # None: collapsed, every cell "-"
-                rows.append(["paper", key[0], K, *report.cells([theirs.get(k) for _, k, *_ in report.COLUMNS])])
+                theirs = report.PAPER[key]  # None: collapsed
+                rows.append(["paper", key[0], K, *(report.cells([theirs.get(k) for _, k, *_ in report.COLUMNS])
+                                                   if theirs else report.COLLAPSED)])
     return report.markdown(["model", "depth", "K"], rows)
 
 
@@ -258,7 +272,8 @@ def save(fig, out):
 
 def main(argv):
     """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for table, its Markdown."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(prog="python -m scripts.plot", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     helps = {"diag": "residual norm (loop 1), training loss, first-layer FFN gradient norm (Figs. 2-4)",
              "loss": "smoothed training loss; runs that stopped early end in an x (Figs. 5, 10)",
@@ -274,8 +289,8 @@ def main(argv):
         p.add_argument("--labels", nargs="+", help="one per run (default: <variant> K=<loops> from settings.json)")
         p.add_argument("-o", "--out", default=None if command == "table" else f"{command}.png",
                        help="Markdown file (default: stdout)" if command == "table" else "PNG to write")
-    commands.choices["sweep"].add_argument("--metric", default="avg", help="avg (of the six tasks), val_bpb, "
-                                           "wiki_ppl, CORE or a task label (its raw accuracy)")
+    commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
+                                           "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
     for command in ("diag", "grads"):
         commands.choices[command].add_argument("--clipped", action="store_true", help="gradient norms as the "
@@ -303,4 +318,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with errors.user_errors("scripts.plot"):  # a bad path or input: one line and exit status 1
+        main(sys.argv[1:])

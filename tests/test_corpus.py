@@ -279,6 +279,20 @@ def test_fetch_wikitext_into_data_dir(server, tmp_path):
     assert open(path, "rb").read() == b"the wikitext-2 test split"
 
 
+def test_a_failed_download_leaves_no_folder_it_made(server, tmp_path, monkeypatch):
+    """WikiText offline: the error names the path as given (relative stays relative), and the folders the
+    download made for it (data_dir/wikitext) are gone again; a data_dir that was there stays."""
+    server.mode = 404
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ConnectionError, match=re.escape(" -> data/wikitext/wikitext-2-v1-test.parquet: ") +
+                       "(.|\n)*--wiki_path="):
+        corpus.fetch_wikitext(f"{server.url}/wikitext/test.parquet", "data")
+    with pytest.raises(ConnectionError, match=re.escape(" -> new/eval_bundle.zip: ") + "(.|\n)*--bundle_dir="):
+        corpus.fetch_bundle("new/eval_bundle/", f"{server.url}/eval_bundle.zip")
+    assert os.listdir(tmp_path) == ["data"] and os.listdir(tmp_path / "data") == []
+
+
 def zipped(files):
     """The bytes of a zip archive of files {name: text}."""
     buffer = io.BytesIO()

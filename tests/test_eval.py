@@ -35,6 +35,7 @@ from flt import corpus
 import data
 import eval as ev
 from flt import checkpoint
+from flt import report
 from flt import runtime
 from model import GPT, GPTConfig, Loops
 
@@ -698,7 +699,8 @@ def test_cli_end_to_end(tmp_path):
     assert saved["step"] == 10 and list(saved["results"]) == ["1", "2"]
     # the authors' layout (4 ranks x batch 4); 512 tokens at sequence_len 64 are less than a chunk a rank: one each
     chunks, n = ev.protocol_chunks([str(tmp_path / "val.parquet")], tok, 64, 512, 4, 4)
-    assert n == 4 and saved["measured"]["bpb"]["tokens"] == sum(int((y >= 0).sum()) for _, y in chunks)
+    [run] = saved["runs"].values()
+    assert n == 4 and run["measured"]["bpb"]["tokens"] == sum(int((y >= 0).sum()) for _, y in chunks)
     bpb = ev.evaluate_bpb(model, chunks, {c: tok.token_bytes(c) for c in ("authors", "utf8")}, [1, 2])[0]
     ppl = ev.evaluate_ppl(model, ev.wiki_windows(tok, ev.load_rows(str(tmp_path / "wiki.test.tokens")), 64, 4),
                           [1, 2], 4)
@@ -738,6 +740,38 @@ def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
     assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "rank0.pt", "tokenizer.json"]  # no temp file
     alone = ev.main(args + ["--modes=bpb", f"--out={tmp_path / 'bpb.json'}"])
     assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
+
+
+def test_samples_print_as_text_between_rules(tmp_path, capsys):
+    """Each sample as it reads (its newlines kept, not a repr), after a rule naming its K, before a
+    closing rule."""
+    save_checkpoint(tmp_path)
+    samples = ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=sample", "--loops=1,2", "--sample_tokens=3"])
+    out = capsys.readouterr().out
+    for K in (1, 2):
+        for text in samples[K]["samples"]:
+            assert f"---- sample at K={K} {'-' * 53}\n{text.rstrip()}\n{'-' * 72}\n" in out
+
+
+def test_eval_py_runs_accumulate(tmp_path, capsys):
+    """bpb at K = 1, 2, then samples at K = 1: eval.json keeps both runs' numbers (those the runs
+    returned) and eval.md tables them; an eval.json that cannot be read is kept aside, saying so
+    (docs/evaluation.md)."""
+    _, _, step = save_checkpoint(tmp_path)
+    args = [str(tmp_path / "run"), "--device=cpu", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
+            "--sample_tokens=3"]
+    bpb = ev.main(args + ["--modes=bpb", "--loops=1,2"])
+    samples = ev.main(args + ["--modes=sample", "--loops=1"])
+    merged = {1: bpb[1] | samples[1], 2: bpb[2]}
+    saved = json.loads((step / "eval.json").read_text())
+    assert saved["results"] == {str(K): r for K, r in merged.items()}
+    assert (step / "eval.md").read_text() == saved["table"] == report.table(merged)
+    (step / "eval.json").write_text("{")
+    capsys.readouterr()
+    ev.main(args + ["--modes=sample", "--loops=1"])
+    [aside] = [name for name in os.listdir(step) if name.startswith("eval.json.unreadable.")]
+    assert (step / aside).read_text() == "{" and f"kept it as {step / aside}" in capsys.readouterr().err
+    assert json.loads((step / "eval.json").read_text())["results"] == {"1": samples[1]}
 
 
 class Stop(Exception):
@@ -835,7 +869,8 @@ def test_a_split_smaller_than_requested_is_scored_once(tmp_path):
                     nats[K] += loss[theirs[y] > 0].sum().item()
                 n_bytes, n_utf8, n_targets = n_bytes + theirs[y].sum().item(), n_utf8 + utf8[y].sum().item(), n_targets + len(y)
     assert n_targets == sum(len(tok.encode(t)) + 1 for t in VAL_TEXTS) - n_chunks > 5 * B * T  # each token once
-    assert saved["measured"]["bpb"]["tokens"] == n_targets
+    [run] = saved["runs"].values()
+    assert run["measured"]["bpb"]["tokens"] == n_targets
     for K in (1, 2):
         assert results[K]["val_bpb"] == pytest.approx(nats[K] / (math.log(2) * n_bytes), rel=1e-5)
         assert results[K]["val_bpb_utf8"] == pytest.approx(nats[K] / (math.log(2) * n_utf8), rel=1e-5)
@@ -968,17 +1003,18 @@ def as_main(script, args, monkeypatch):
 
 @pytest.mark.parametrize("setting, error", BAD_SETTINGS)
 def test_a_bad_device_or_dtype_is_the_same_error_in_every_script(tmp_path, monkeypatch, capsys, setting, error):
-    """eval.py and bench.py print the error alone on stderr and exit with status 1 (SystemExit: no
-    traceback); train.py raises the same ValueError as before (its last stderr line is this one),
-    before it touches out_dir or data_dir."""
+    """eval.py and bench.py print the error alone on stderr, after their name, and exit with status 1
+    (SystemExit: no traceback); train.py raises the same ValueError (its sys.excepthook prints it so:
+    tests/test_errors.py), before it touches out_dir or data_dir."""
     if available(setting):
         pytest.skip("this machine has the device")
     _, _, step = save_checkpoint(tmp_path)
     capsys.readouterr()  # what saving it printed
-    for script, args in (("eval.py", [str(step), "--modes=sample"]), ("scripts/bench.py", BENCH)):
+    for script, program, args in (("eval.py", "eval.py", [str(step), "--modes=sample"]),
+                                  ("scripts/bench.py", "scripts.bench", BENCH)):
         ended = as_main(script, [*args, setting], monkeypatch)
         assert isinstance(ended, SystemExit) and ended.code == 1, (script, ended)
-        assert capsys.readouterr() == ("", error + "\n"), script
+        assert capsys.readouterr() == ("", f"{program}: {error}\n"), script
     ended = as_main("train.py", [f"--out_dir={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}", setting],
                     monkeypatch)
     assert f"{type(ended).__name__}: {ended}" == error
@@ -997,8 +1033,8 @@ def test_the_command_line_says_it_without_a_traceback(tmp_path):
     procs = [subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for cmd in commands]  # at once: one torch import's wait, not three
     (out1, err1), (out2, err2), (out3, err3) = (p.communicate(timeout=300) for p in procs)
-    for p, out, err in zip(procs[:2], (out1, out2), (err1, err2)):
-        assert (p.returncode, out, err) == (1, "", f"ValueError: device='cuda', {NO_CUDA}\n")
+    for p, out, err, program in zip(procs[:2], (out1, out2), (err1, err2), ("eval.py", "scripts.bench")):
+        assert (p.returncode, out, err) == (1, "", f"{program}: ValueError: device='cuda', {NO_CUDA}\n")
     assert procs[2].returncode == 0 and json.loads(out3.splitlines()[-1])["step"] > 0, err3
 
 
@@ -1008,7 +1044,8 @@ def test_eval_runs_in_bf16_on_cpu_and_refuses_auto(tmp_path):
     _, _, step = save_checkpoint(tmp_path)
     args = [str(step), "--modes=sample", "--loops=1", "--sample_tokens=2", "--device=cpu", f"--out={tmp_path / 'e.json'}"]
     ev.main(args + ["--dtype=bf16"])
-    assert json.load(open(tmp_path / "e.json"))["settings"]["dtype"] == "bf16"
+    [run] = json.load(open(tmp_path / "e.json"))["runs"].values()
+    assert run["settings"]["dtype"] == "bf16"
     with pytest.raises(ValueError, match=re.escape(f"dtype='auto': {DTYPES}")):
         ev.main(args + ["--dtype=auto"])
 

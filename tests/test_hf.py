@@ -13,6 +13,7 @@ command. The per-variant checks save checkpoints of randomised models with the r
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -102,9 +103,17 @@ def cut_at_document_end(tokens, bos):
 
 
 # ----------------------------------------------------------------------------- the folder
+def umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_the_folder_holds_config_weights_tokenizer_and_code(run, exported):
     assert set(os.listdir(exported)) == FILES and not [n for n in os.listdir(os.path.dirname(exported)) if
                                                       n.startswith(".")]  # no temporary folder left
+    mode = {name: stat.S_IMODE(os.stat(os.path.join(exported, name)).st_mode) for name in FILES}
+    assert mode["model.safetensors"] == mode["config.json"] == 0o666 & ~umask()  # safetensors' own is 0600
     config = json.load(open(os.path.join(exported, "config.json")))
     gpt, meta = checkpoint.load_model(run, log=quiet)
     assert {k: config[k] for k in GPTConfig.__dataclass_fields__} == vars(gpt.config) and config["loops"] == 3
@@ -289,4 +298,4 @@ def test_errors_name_the_path_and_leave_nothing_behind(run, exported, tmp_path, 
     assert os.listdir(os.path.dirname(exported)) == ["d1_flt"]  # no temporary folder left
     assert set(os.listdir(exported)) == FILES  # the old folder is untouched
     assert command("no/such/run", str(tmp_path / "y")) == (
-        1, "", "FileNotFoundError: run 'no/such/run': no such directory\n")
+        1, "", "scripts.export_hf: FileNotFoundError: run 'no/such/run': no such directory\n")

@@ -266,7 +266,7 @@ def test_a_bad_argument_is_named(args, error, message):
 def test_the_command_fails_with_the_message():
     p = subprocess.run([sys.executable, "-m", "scripts.lm_eval_flt", "--run", "no/such/run", "--tasks", "flt_mc"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert p.returncode == 1 and p.stderr == "lm_eval_flt: --run='no/such/run': no such directory\n", p.stderr
+    assert p.returncode == 1 and p.stderr == "scripts.lm_eval_flt: FileNotFoundError: --run='no/such/run': no such directory\n", p.stderr
 
 
 def test_unknown_task_is_named_with_close_names():

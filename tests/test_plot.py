@@ -217,8 +217,11 @@ def test_table(tmp_path, capsys):
     avg = 100 * (0.4 + 0.025)
     assert rows[("FLT", "9")] == [f"{2 ** 0.875:.2f}", "0.875", "90.00", "40.00", "41.00", "42.00", "43.00", "44.00",
                                   "45.00", f"{avg:.2f}"]  # at the trained K only
-    assert rows[("LT", "9")] == ["-"] * 10  # diverged: no eval.json needed
-    assert rows[("bare", "3")] == ["-"] * 10  # an infinite value: collapsed
+    assert rows[("LT", "9")] == ["collapsed"] + [""] * 9  # diverged: no eval.json needed
+    assert rows[("bare", "3")] == ["collapsed"] + [""] * 9  # an infinite value: collapsed
+    never = write_run(tmp_path, "never", [1.0], loops=3)
+    write_eval(never / "step_000010" / "eval.json", [1])  # evaluated, but not at its trained K=3
+    assert table_rows(plot.main(["table", str(never)]))[("FLT", "3")] == ["-"] * 10  # never measured
     assert len(rows) == 3
     rows = table_rows(plot.main(["table", str(flt), "--paper", "--labels", "ours"]))
     assert list(rows) == [("ours", "9"), ("paper", "9")]  # the paper's row below the run it reports
@@ -240,12 +243,12 @@ TABLE1_SMALL = {"LT": ("78.79", "1.115"), "FLT": ("63.29", "1.040")}
 
 def test_table_paper_rows_are_spec_9(tmp_path):
     """--paper puts the paper's numbers under every run of a configuration Table 1 reports, in its
-    columns (the six tasks are not in the paper's Table 1: "-"), and every cell "-" where training collapsed."""
+    columns (the six tasks are not in the paper's Table 1: "-"), and "collapsed" where training collapsed."""
     expected = {}
     for line in TABLE1.strip().splitlines():
         variant, K, *numbers = [c.strip() for c in line.strip("|").split("|")]
-        ppl, bpb, core, avg = numbers if numbers[0] != "collapsed" else ["-"] * 4
-        expected[(12, variant, K)] = [ppl, bpb, core, *["-"] * 6, avg]
+        ppl, bpb, core, avg = numbers
+        expected[(12, variant, K)] = [ppl, bpb, core, *["-"] * 6, avg] if ppl != "collapsed" else [ppl] + [""] * 9
     for variant, (ppl, bpb) in TABLE1_SMALL.items():
         expected[(6, variant, "9")] = [ppl, bpb, *["-"] * 8]
     runs = []
@@ -263,5 +266,5 @@ def test_table_paper_rows_are_spec_9(tmp_path):
 
 def test_labels_must_match_inputs(tmp_path):
     log = write_log(tmp_path / "run" / "log.jsonl", [1.0])
-    with pytest.raises(SystemExit):  # argparse's usage error, before matplotlib is needed
+    with pytest.raises(ValueError, match="--labels: 2 given for 1 runs"):  # before matplotlib is needed
         plot.main(["diag", str(log), "--labels", "a", "b"])

@@ -1,0 +1,85 @@
+"""One rule for every entry point (train.py, eval.py, the scripts): a mistake in what the user gave
+(a setting, a path, a file's contents, the machine) ends the program with ONE line on stderr,
+`<program>: <error type>: <message>`, printed once per node under torchrun (by its LOCAL_RANK 0: on a
+cluster each node's log says why it stopped), and exit status 1; the message names the setting, file
+or value and says what is allowed. Anything else is a bug and keeps its traceback. The exit codes a
+program documents (train.py's preemption and divergence) are its own: they are not exceptions. No
+torch here: scripts.plot runs without it.
+
+    errors.install("train.py")                 # a flat script, from its first lines on
+    with errors.user_errors("eval.py"):        # a script with a main()
+        main(sys.argv[1:])
+    errors.ArgumentParser(prog="python -m scripts.plot")  # argparse's, its mistakes one line too
+"""
+import argparse
+import contextlib
+import errno
+import os
+import sys
+import traceback
+
+# What a user's input or machine raises. A full disk is an OSError with errno ENOSPC (or EDQUOT):
+# runtime.DiskSpaceError, checked before writing, or the write itself.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
+               PermissionError, ConnectionError)
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_user_error(e):
+    return isinstance(e, USER_ERRORS) or (isinstance(e, OSError) and e.errno in FULL_DISK)
+
+
+def line(program, e):
+    """The one line: the program, the error's type and its message, a message's lines joined."""
+    message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
+    text = ""
+    for part in filter(None, (p.strip() for p in message.splitlines())):
+        text += (" " if text.endswith(":") else "; ") + part if text else part
+    return f"{program}: {type(e).__name__}: {text}"
+
+
+def explained(e):
+    """What a caller that goes on after e (eval.py: the other modes still run) prints: a user's
+    error, its message; a bug, its message and its traceback."""
+    if is_user_error(e):
+        return str(e)
+    return f"{e}\n" + "".join(traceback.format_exception(e)).rstrip()
+
+
+def report(program, e):
+    """The line on stderr (once per node: its local rank 0), and the process group, if any, ended."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(line(program, e), file=sys.stderr, flush=True)
+    dist = sys.modules.get("torch.distributed")  # imported by the program if it uses one
+    if dist and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def user_errors(program):
+    """A user's mistake raised inside: its line and SystemExit(1); any other exception goes on."""
+    try:
+        yield
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        report(program, e)
+        raise SystemExit(1) from None
+
+
+def install(program):
+    """The same rule for an exception that ends the script (sys.excepthook): Python then exits with 1."""
+    def hook(kind, e, tb):
+        if is_user_error(e):
+            report(program, e)
+        else:
+            sys.__excepthook__(kind, e, tb)
+    sys.excepthook = hook
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose command-line mistakes follow the rule: a ValueError (one line through
+    user_errors) instead of argparse's usage lines and exit status 2. --help prints the usage."""
+
+    def error(self, message):
+        raise ValueError(f"{message} ({self.prog} --help shows the usage)")
