@@ -292,7 +292,7 @@ def test_the_command_and_eval_py_open_it(tokenizer, tmp_path):
                        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "LT_ai, trained at K=3" in p.stdout and "--- K=3" in p.stdout
+    assert "LT_ai, trained at K=3" in p.stdout and "---- sample at K=3 " in p.stdout
 
 
 # ------------------------------------------------------------------------- what does not map
@@ -355,7 +355,7 @@ def test_what_does_not_map_is_an_error_naming_it_and_nothing_is_written(what, to
     status, out, err = command(str(tmp_path / "theirs"), str(tmp_path / "run"),
                                f"--tokenizer={tokenizer}")
     assert status == 1 and out == "" and len(err.splitlines()) == 1, err
-    assert err.startswith("ValueError: ") and re.search(message, err), err
+    assert err.startswith("scripts.import_authors: ValueError: ") and re.search(message, err), err
     assert os.listdir(tmp_path) == ["theirs"]  # no run, no temporary directory
 
 
