@@ -173,7 +173,7 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(horizon_params="some"), "horizon_params='some': expected 'all' or 'non_embedding'"),
     (dict(compile="maybe"), "compile='maybe': expected 'auto' or 'on' or 'off'"),
     (dict(dtype="fp16"), "dtype='fp16': expected 'bf16' or 'fp32' (or 'auto'"),
-    (dict(variant="XL"), "variant='XL' is invalid"),
+    (dict(variant="XL"), "variant='XL': expected 'LT' or 'LT_i' or 'LT_ai' or 'FLT_res' or 'FLT'"),
     (dict(total_batch_size=100), "total_batch_size=100 is not a multiple of device_batch_size * sequence_len * "
                                  "world_size = 2048"),
     (dict(watch_layer=3), "watch_layer=3: expected a layer index below depth=3"),
@@ -182,7 +182,7 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(loops_sampler="poisson"), "loops_sampler='poisson': expected 'fixed' or 'uniform' or"),
     (dict(loops_sampler="uniform", loops_min=4, loops_max=2), "loops_max=2: expected an integer >= loops_min=4"),
     (dict(loops_sampler="lognormal_poisson", loops=1), "loops=1: expected an integer >= 2"),
-    (dict(loops=0), "loops=0 is invalid: expected an integer >= 1"),
+    (dict(loops=0), "loops=0: expected a positive integer"),
 ])
 def test_bad_values_fail_before_data_naming_the_setting(changes, match):
     if changes.get("device") == "cuda" and torch.cuda.is_available():
