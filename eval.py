@@ -95,6 +95,7 @@ sample_tokens = 48              # sample mode: tokens generated per prompt and K
 temperature = 0.0               # sample mode: 0 = greedy
 wandb = False                   # also log the results to the run's W&B run (train.py's wandb_project)
 seed = 42                       # sample mode: sampling seed when temperature > 0
+cache_slots = None              # sample mode: KV cache loop slots per layer, 1..K; None = K (exact)
 out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
@@ -416,15 +417,15 @@ def core_mode(c, ctx):
 
 
 def sample_mode(c, ctx):
-    """SAMPLE_PROMPTS continued at each K on rank 0, by cached decoding; its forwards are the decoding
-    steps, counted in steps of max(loops) loops."""
+    """SAMPLE_PROMPTS continued at each K on rank 0, decoding cached; forwards: max(loops) steps."""
     prompts = [(K, p) for K in ctx.loops for p in SAMPLE_PROMPTS] if ctx.rank == 0 else []
 
     def run():
         progress, texts = progress_of(ctx, "sample", len(prompts), "samples"), {}
         for K, prompt in prompts:
-            texts.setdefault(K, []).append(runtime.sample(ctx.model, ctx.tokenizer, prompt, c.sample_tokens,
-                                                          temperature=c.temperature, seed=c.seed, loops=K))
+            text = runtime.sample(ctx.model, ctx.tokenizer, prompt, c.sample_tokens, loops=K,
+                                  temperature=c.temperature, seed=c.seed, cache_slots=c.cache_slots)
+            texts.setdefault(K, []).append(text)
             progress()
         for K, t in texts.items():  # as text, each between two rules
             print0("\n".join(runtime.framed(f"sample at K={K}", s) for s in t))

@@ -86,8 +86,7 @@ def apply_rotary(x, cos, sin):
     """RoPE on x (B, T, H, D) in nanochat's (and the paper authors') convention: split each head
     into halves x1, x2; y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos. Rotating the other way
     would be an equally valid RoPE, but not the function the paper's checkpoints compute."""
-    d = x.size(-1) // 2
-    x1, x2 = x[..., :d], x[..., d:]
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
@@ -128,8 +127,7 @@ class CausalSelfAttention(nn.Module):
         else:
             k, v = self.c_k(kv_in), self.c_v(kv_in)
         k, v = (z.view(B, T, self.n_kv_head, self.head_dim) for z in (k, v))
-        cos, sin = rope
-        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # RoPE, then QK-norm
+        q, k = norm(apply_rotary(q, *rope)), norm(apply_rotary(k, *rope))  # RoPE, then QK-norm
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # (B, H, T, D)
         if cache is None:  # full attention: is_causal (the flash kernel's path); a sliding window: its mask
             mask = None if self.window is None else attention_mask(T, T, 0, self.window, q.device)
@@ -200,7 +198,6 @@ def injection(variant, layer):
 
 
 class Loops(NamedTuple):
-    """One pass of the loop, as GPT.loop_states (and forward(..., return_loops=True)) return it."""
     states: list                  # [h(1), ..., h(K)], h(t) = norm(stream after loop t): each a prediction point
     resid_norms: torch.Tensor     # (K,) mean L2 norm of the stream after loop t (before norm), detached
     exit_loops: torch.Tensor | None = None  # (B, T) loops each position ran (ExitRule); None without it
@@ -271,7 +268,6 @@ class GPT(nn.Module):
         return Loops(hs, torch.stack(norms), exits.exit_loops)
 
     def _check_inputs(self, T, K, kv_cache, bptt_loops):
-        """ValueError, naming the limit, for what loop_states cannot run."""
         pos, limit = (0, self.cos.size(0)) if kv_cache is None else (kv_cache.pos, kv_cache.capacity)
         if pos + T > limit:
             what = (f"the RoPE table's {limit} positions ({ROPE_SPAN} x " if kv_cache is None
@@ -296,7 +292,7 @@ class GPT(nn.Module):
 
     def _loop(self, x, h_prev, t, rope, kv_cache=None, done=None):
         """Loop t: the L blocks, each with its injection; the loop body, shared by all five variants.
-        With a KV cache each layer keeps its (loop t, layer) entry (done: KVCache.update)."""
+        With a KV cache each layer writes and reads loop t's slot (done: KVCache.update)."""
         for i, block in enumerate(self.transformer.h):
             inject = injection(self.config.variant, i) if t > 0 else None
             if kv_cache is None:
@@ -321,25 +317,24 @@ class GPT(nn.Module):
         every = all_loops or (targets is not None and self.config.loss_all_loops)
         hs = looped.states if every else looped.states[-1:]  # other loops cost no head FLOPs unless asked for
         outputs = [self.head(h) if targets is None else self.loss(h, targets) for h in hs]
-        if all_loops:
-            out = torch.stack(outputs) if targets is not None else outputs
-        else:
-            out = torch.stack(outputs).mean() if targets is not None else outputs[-1]
+        if targets is not None:  # losses: (K,) for every loop or (1,) for the last
+            outputs = torch.stack(outputs)
+        out = outputs if all_loops else outputs.mean() if targets is not None else outputs[-1]
         return (out, looped) if return_loops else out
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
-                 exit_threshold=None, attention_mask=None):
-        """Stream (B, 1) tokens with a KV cache of K*L entries: a prefill, then one token a step.
-        exit_threshold: depth per token, at most K loops (loop_states). attention_mask (B, T): 0 marks
-        left padding, so that prompts of different lengths share a batch (KVCache)."""
+                 exit_threshold=None, attention_mask=None, cache_slots=None):
+        """Stream (B, 1) tokens with a KV cache: a prefill, then one token a step. cache_slots: its
+        m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states). attention_mask
+        (B, T): 0 marks left padding, so prompts of different lengths share a batch."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
         if attention_mask is not None and attention_mask.shape != idx.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)}: expected the prompt's {tuple(idx.shape)}")
         rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
-        cache = self.new_kv_cache(idx.size(0), loops, attention_mask)
+        cache = self.new_kv_cache(idx.size(0), loops, attention_mask, cache_slots)
         logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
         for step in range(max_new_tokens):
             if temperature == 0:
@@ -354,11 +349,12 @@ class GPT(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
 
-    def new_kv_cache(self, batch_size, loops=None, attention_mask=None):
-        return KVCache(batch_size, self.loop_count(loops), self.config, attention_mask=attention_mask)
+    def new_kv_cache(self, batch_size, loops=None, attention_mask=None, cache_slots=None):
+        K = self.loop_count(loops)
+        return KVCache(batch_size, K, self.config, attention_mask=attention_mask,
+                       cache_slots=cache_slots)
 
     def loop_count(self, loops=None):
-        """K for a call: loops, or the config's default when None."""
         K = self.config.loops if loops is None else loops
         if not isinstance(K, int) or K < 1:
             raise ValueError(f"loops={K!r} is invalid: expected an integer >= 1")
@@ -397,29 +393,34 @@ class GPT(nn.Module):
 
 
 # ------------------------------------------------------------------------------------
-# Decoding and depth per token: a KV cache per (loop, layer), and the exit rule.
+# Decoding and depth per token: a KV cache of loop slots per layer, and the exit rule.
 
 class KVCache:
-    """Keys and values for every (loop, layer): K*L entries, since each loop's keys come from a different stream.
-    A forward writes its tokens at `pos`; the cache holds `capacity` tokens. attention_mask (B, T) of the first
-    forward, 0 = left padding: row b's first pad[b] slots are never attended to; its positions start after them."""
+    """Keys and values per (loop slot, layer), each loop's from its own stream. K slots (K*L
+    entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t uses slot t mod m,
+    so earlier forwards' tokens are seen as the slot's last loop left them. A forward's tokens go at
+    `pos` (of `capacity`); attention_mask (B, T) of the first forward: 0 = left padding, unseen."""
 
-    def __init__(self, batch_size, loops, config, capacity=None, attention_mask=None):
+    def __init__(self, B, loops, config, capacity=None, attention_mask=None, cache_slots=None):
         self.loops, self.n_layer, self.pos = loops, config.n_layer, 0
+        self.cache_slots = loops if cache_slots is None else cache_slots
+        if not (isinstance(self.cache_slots, int) and 1 <= self.cache_slots <= loops):
+            raise ValueError(f"cache_slots={cache_slots!r}: expected an integer 1 to loops={loops}")
         self.capacity = capacity or config.sequence_len
-        self.shape = (batch_size, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
-        self.kv = {}  # (loop, layer) -> (k, v), each (B, H_kv, capacity, D)
+        self.shape = (B, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
+        self.kv = {}  # (slot, layer) -> (k, v), each (B, H_kv, capacity, D), made when written
         self.pad = None if attention_mask is None or attention_mask.all() else (attention_mask == 0).sum(1)
         if self.pad is not None and (attention_mask != 0).int().diff(dim=1).min() < 0:  # a 1 before a 0
             raise ValueError("attention_mask: expected left padding, each row's 0s (padding) before its 1s")
 
     def positions(self, n):
-        """RoPE positions of the next n tokens: their slots, or per row (B, n) from its first token."""
+        """RoPE positions of the next n tokens: from pos, or per row (B, n) from its first token."""
         if self.pad is None:
             return slice(self.pos, self.pos + n)
         return (torch.arange(self.pos, self.pos + n, device=self.pad.device) - self.pad[:, None]).clamp(min=0)
 
     def slot(self, loop, layer, like):
+        loop %= self.cache_slots  # loop t's slot
         if (loop, layer) not in self.kv:
             self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
         return self.kv[loop, layer]
@@ -430,11 +431,10 @@ class KVCache:
         `loop` (ExitRule); they keep the previous loop's keys/values, their exit loop's (as Huginn's cache)."""
         k_all, v_all = self.slot(loop, layer, k)
         end = self.pos + k.size(2)
-        if done is not None and loop > 0:
-            k_prev, v_prev = self.kv[loop - 1, layer]
-            keep = done[:, None, :, None]
-            k = torch.where(keep, k_prev[:, :, self.pos:end], k)
-            v = torch.where(keep, v_prev[:, :, self.pos:end], v)
+        if done is not None and loop > 0:  # loop - 1's slot holds this forward's tokens at loop - 1
+            k_prev, v_prev = self.slot(loop - 1, layer, k)
+            k = torch.where(done[:, None, :, None], k_prev[:, :, self.pos:end], k)
+            v = torch.where(done[:, None, :, None], v_prev[:, :, self.pos:end], v)
         k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
         unmasked = window is None and self.pad is None and k.size(2) == 1  # one new token sees every key
         mask = None if unmasked else attention_mask(k.size(2), end, self.pos, window, k.device, self.pad)
@@ -444,7 +444,7 @@ class KVCache:
         """All n tokens from pos exited by loop `last`: copy their keys/values into the loops not run after it."""
         for loop in range(last + 1, self.loops):
             for layer in range(self.n_layer):
-                prev = self.kv[loop - 1, layer]
+                prev = self.slot(loop - 1, layer, None)
                 for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
                     dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
 

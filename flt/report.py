@@ -185,6 +185,9 @@ def parse(argv, defaults, source, modes):
     if thresholds is None or ("exit" in run_modes) != bool(thresholds) or not all(t >= 0 for t in thresholds):
         raise ValueError(f"--exit_thresholds={c.exit_thresholds!r}: the exit mode needs, and only it takes, "
                          f"comma-separated KL thresholds >= 0, e.g. 0.1,0.03,0.01")
+    if c.cache_slots is not None and "sample" not in run_modes:
+        raise ValueError(f"--cache_slots={c.cache_slots!r}: only the sample mode decodes with the KV cache")
+    check_cache_slots(c.cache_slots, loops_list, "--cache_slots")
     for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
         if getattr(c, key) < 1:
             raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
@@ -200,6 +203,15 @@ def loop_budgets(value):
     if not budgets or not all(v.isdigit() and int(v) >= 1 for v in budgets):
         raise ValueError(f"--loops={value!r}: expected comma-separated integers >= 1, e.g. 1,3,6,9,12")
     return sorted(set(map(int, budgets)))
+
+
+def check_cache_slots(value, budgets, setting):
+    """ValueError naming `setting` unless value is None (the exact cache) or an integer from 1 to the
+    smallest loop budget: decoding at K loops keeps 1 to K loop slots per layer (model.KVCache)."""
+    if value is not None and not (isinstance(value, int) and 1 <= value <= min(budgets)):
+        raise ValueError(f"{setting}={value!r}: expected an integer from 1 to {min(budgets)}, the smallest "
+                         f"loop budget K of {budgets} (decoding at K keeps 1 to K loop slots per layer), "
+                         "or None (K slots, exact)")
 
 
 def per_K(values, spec):

@@ -10,6 +10,8 @@ Speed and memory checks, measured side by side in one run.
         # host syncs, operations and collectives per optimizer step, 8 ranks simulated in one process
     python -m scripts.bench --mode=lmeval     # lm_eval_flt: loglikelihoods at K=1,3,6,9,12 in one sweep vs five passes
     python -m scripts.bench --mode=hf         # transformers' generate on an exported folder vs model.generate
+    python -m scripts.bench --mode=cache --run=out/d3_flt_k3,out/d3_lt_k3 --plot=loop_cache.png --baseline=d88e2bf
+        # the loop cache (cache_slots = m of K): bytes, bpb price, greedy agreement, tokens/s per m
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
@@ -21,11 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from contextlib import nullcontext
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -38,13 +43,13 @@ from flt.errors import user_errors
 from flt.runtime import precision, resolve_dtype, setup
 from optim import build_optimizers, clip_coefficient, reduce_gradients
 
-mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf (memory_step: one memory run)
+mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf | cache (memory_step: a memory run)
 device = "cpu"              # cpu | cuda | cuda:N | mps; empty = cuda if there is one, else cpu
 depth = 4
 sequence_len = 256
 batch_size = 8
 loops = 3
-repeats = 5                 # ratios: timed repeats of each side
+repeats = 5                 # ratios, lmeval, hf, cache: timed repeats of each side
 gen_tokens = 256            # ratios: tokens generated with and without the KV cache
 variant = "FLT"             # train mode
 attn = "full"               # train mode: full | mla
@@ -58,6 +63,9 @@ dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (ru
 steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader, lmeval and hf modes: the embedded corpus
 run = ""                    # hf mode: a run's out_dir or step dir; "" = a fresh FLT of this depth, saved and exported
+                            # cache mode: comma-separated runs; "" = the quick start's out/d3_flt_k3
+plot = ""                   # cache mode: a PNG of the bpb price against the memory ratio, one line per run
+baseline = ""               # cache mode: a git commit whose model.py's default decoding is timed beside this one's
 seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
 with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1, no traceback
@@ -407,9 +415,166 @@ def hf():
     print(f"the transformers wrapper's generate takes {r:.2f}x the time of the project's")
 
 
+# ----------------------------------------------------------------------------- the loop cache
+CACHE_SEQS = 16    # cache mode: whole validation sequences of sequence_len scored, and the prompts' source
+PROMPT_TOKENS = 32  # cache mode: each greedy prompt, the first tokens of one of those sequences
+GEN = 64           # cache mode: tokens generated greedily per prompt
+
+
+def cache_bytes(kv_cache):
+    """Bytes of the key and value tensors a KVCache has allocated."""
+    return sum(z.numel() * z.element_size() for kv in kv_cache.kv.values() for z in kv)
+
+
+@torch.no_grad()
+def teacher_forced(model, autocast, x, y, K, m):
+    """(per-target losses (B, T) in nats, cache bytes per token): x decoded one token a step, as generation
+    feeds its tokens, with a cache of m loop slots per layer."""
+    kv_cache, losses = model.new_kv_cache(x.size(0), K, cache_slots=m), []
+    with autocast:
+        for i in range(x.size(1)):
+            logits = model(x[:, i:i + 1], loops=K, kv_cache=kv_cache)[:, 0]
+            losses.append(F.cross_entropy(logits, y[:, i].clamp(min=0), reduction="none"))
+    return torch.stack(losses, 1).double(), cache_bytes(kv_cache) / (x.size(0) * kv_cache.capacity)
+
+
+def agreement(tokens, exact):
+    """(mean fraction of each row's tokens before its first difference from exact, fraction equal overall)."""
+    same = tokens == exact
+    before = torch.where(same.all(1), same.size(1), (~same).int().argmax(1))
+    return (before.double() / same.size(1)).mean().item(), same.double().mean().item()
+
+
+def loop_cache_rows(path):
+    """One run's rows of the cache table: {K: {m: row}} at its trained K and at K' = 2K."""
+    from flt import checkpoint
+    from scripts.plot import run_name
+    model, meta = checkpoint.load_model(path, device, log=lambda *args: None)
+    model.eval()
+    autocast = precision(model, rt.device_type, dtype)
+    settings, T = meta.get("settings", {}), model.config.sequence_len
+    tok = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"), bos=settings.get("bos_token", data.BOS))
+    shard = corpus.val_shard(settings, settings.get("data_dir", data_dir))
+    chunks, _ = data.protocol_chunks([shard], tok, T, CACHE_SEQS * T, 1, 1)
+    x, y = (torch.cat(z).to(device) for z in zip(*chunks))
+    token_bytes = tok.token_bytes("authors").to(device)[y.clamp(min=0)] * (y >= 0)
+    scored, denominator = token_bytes > 0, math.log(2) * token_bytes.sum().item()
+    prompts, name = x[:, :PROMPT_TOKENS], run_name(path)
+    what = (f"{name} ({meta['path']}): the first {len(x)} sequences of {T} + 1 tokens of {shard}'s stream (BOS "
+            f"before each document; eval.py's loader, 1 rank, batch 1), {int(scored.sum()):,} targets with bytes; "
+            f"greedy: {GEN} tokens after the first {PROMPT_TOKENS} tokens of each")
+    print(what, flush=True)
+    K0, rows = model.config.loops, {}
+    for K in (K0, 2 * K0):
+        slots = sorted({1, 2, -(-K0 // 2), K0} & set(range(1, K + 1))) if K == K0 else list(range(1, K + 1))
+        with torch.no_grad(), autocast:
+            full = F.cross_entropy(model(x, loops=K).flatten(0, 1), y.flatten().clamp(min=0),
+                                   reduction="none").view_as(y).double()
+
+        def greedy(m):
+            with autocast:
+                return torch.cat(list(model.generate(prompts, GEN, temperature=0, loops=K, cache_slots=m)), 1)
+        exact, times = greedy(K), {m: [] for m in slots}
+        for _ in range(repeats):  # side by side: every m once per round
+            for m in slots:
+                times[m].append(timed(lambda: greedy(m)))
+        rows[K] = {}
+        for m in slots:
+            losses, per_token = teacher_forced(model, autocast, x, y, K, m)
+            diff = (losses - full)[scored]
+            rows[K][m] = dict(bytes=per_token, bpb_full=full[scored].sum().item() / denominator,
+                              bpb=losses[scored].sum().item() / denominator, price=diff.sum().item() / denominator,
+                              se=diff.std().item() * math.sqrt(diff.numel()) / denominator,
+                              agree=agreement(greedy(m), exact), tok_s=len(prompts) * GEN / statistics.median(times[m]))
+            print(f"{name} K={K} m={m}: price {rows[K][m]['price']:+.4f} +- {rows[K][m]['se']:.4f} bpb", flush=True)
+    return types.SimpleNamespace(name=name, what=what, K=K0, rows=rows)
+
+
+def cache_table(results):
+    """The Markdown table of loop_cache_rows' results, a row per (run, K, m)."""
+    lines = ["| run | K | m | cache bytes/token | / exact | bpb full forward | bpb cached | price | s.e. | "
+             "greedy same before 1st diff | greedy same overall | decode tok/s |", "|---" * 12 + "|"]
+    for r in results:
+        for K, by_m in r.rows.items():
+            for m, row in by_m.items():
+                before, overall = row["agree"]
+                lines.append(f"| {r.name} | {K} | {m} | {row['bytes']:,.0f} | {row['bytes'] / by_m[K]['bytes']:.2f} | "
+                             f"{row['bpb_full']:.4f} | {row['bpb']:.4f} | {row['price']:+.4f} | {row['se']:.4f} | "
+                             f"{before:.2f} | {overall:.2f} | {row['tok_s']:,.0f} |")
+    return "\n".join(lines)
+
+
+def cache_plot(results, out):
+    """The bpb price (with its standard error) against the memory ratio: a line per run at its trained K
+    (solid) and at K' = 2K (dashed)."""
+    from scripts.plot import pyplot, save
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for i, r in enumerate(results):
+        for K, style in ((r.K, "o-"), (2 * r.K, "s--")):
+            points = sorted((m / K, row["price"], row["se"]) for m, row in r.rows[K].items())
+            ax.errorbar(*zip(*points), fmt=style, color=f"C{i}", capsize=3, label=f"{r.name}, K={K}")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(title=f"Loop cache: the bpb price of m of K slots ({device})", ylabel="bpb, cached - full forward",
+           xlabel="cache memory / exact cache (m / K)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, out)
+
+
+def baseline_model(commit, model):
+    """GPT of `commit`'s model.py (git show), with model's config and weights."""
+    source = subprocess.run(["git", "show", f"{commit}:model.py"], cwd=os.path.dirname(os.path.dirname(__file__)),
+                            capture_output=True, text=True, check=True).stdout
+    module = sys.modules[f"model_{commit}"] = types.ModuleType(f"model_{commit}")
+    exec(compile(source, f"{commit}:model.py", "exec"), module.__dict__)
+    old = module.GPT(module.GPTConfig(**asdict(model.config)))
+    old.load_state_dict(model.state_dict())
+    return old.to(device).eval()
+
+
+def default_decoding(path):
+    """The default decode path (cache_slots=None) against `baseline`'s, side by side: the same tokens, and
+    the time ratio (greedy, GEN tokens after PROMPT_TOKENS random tokens, B = CACHE_SEQS)."""
+    from flt import checkpoint
+    model = checkpoint.load_model(path, device, log=lambda *args: None)[0].eval()
+    old, autocast = baseline_model(baseline, model), precision(model, rt.device_type, dtype)
+    prompt = torch.randint(0, model.config.vocab_size, (CACHE_SEQS, PROMPT_TOKENS),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+
+    def decode(gpt):
+        def run():
+            with autocast:
+                return torch.cat(list(gpt.generate(prompt, GEN, temperature=0)), 1)
+        return run
+    same = torch.equal(decode(model)(), decode(old)())
+    r = ratio(f"default generate, this commit / {baseline} ({path})", decode(model), decode(old), "0.95-1.05")
+    print(f"default decode path: the same tokens as {baseline}'s: {same}; time ratio {r:.2f}")
+
+
+def cache():
+    """The loop cache's price (model.KVCache's cache_slots: m loop slots per layer) for each run of `run`:
+    at its trained K for m in {1, 2, ceil(K/2), K} and at K' = 2K for every m, the cache's bytes per token
+    (counted from the tensors it allocated) and their ratio to the exact cache (m = K); val bpb of
+    teacher-forced cached decoding (one token a step, as generation feeds them) and of the full forward on
+    CACHE_SEQS whole validation sequences, their difference (the price) and its standard error from the
+    per-token differences; greedy agreement with exact decoding (GEN tokens after each of CACHE_SEQS
+    prompts: the mean fraction before the first difference, and overall); decode tokens/s per m, timed
+    side by side (every m once a round, median of `repeats`). plot: the figure; baseline: default_decoding."""
+    runs = (run or "out/d3_flt_k3").split(",")
+    results = [loop_cache_rows(path) for path in runs]
+    print(f"\ndevice {device}, {dtype}; price = bpb cached - bpb full forward; decode tok/s (prefill included): "
+          f"median of {repeats}, every m once a round")
+    print("\n".join(r.what for r in results) + "\n" + cache_table(results))
+    if plot:
+        cache_plot(results, plot)
+    if baseline:
+        default_decoding(runs[0])
+
+
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
-             "syncs": syncs, "lmeval": lmeval, "hf": hf}
+             "syncs": syncs, "lmeval": lmeval, "hf": hf, "cache": cache}
     with user_errors("scripts.bench"):  # a bad setting or input: one line and exit status 1
         if mode not in modes:
             raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")

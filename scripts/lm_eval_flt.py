@@ -56,10 +56,11 @@ class LoopedLM(TemplateLM):
 
     loglikelihood and loglikelihood_rolling are scored at every K of `loops` in one forward at
     max(loops) (eval.score_sequences) and kept in self.scores, so a later run at a smaller K costs no
-    forward. generate_until decodes at self.K only: a continuation at one K says nothing of another's."""
+    forward. generate_until decodes at self.K only: a continuation at one K says nothing of another's; its
+    KV cache keeps cache_slots loop slots per layer (model.KVCache; None = K, the exact cache)."""
 
     def __init__(self, model, tokenizer, loops, numerics=nullcontext(), exit_threshold=None, batch_size=32,
-                 log=print):
+                 log=print, cache_slots=None):
         super().__init__()
         if not loops or not all(isinstance(K, int) and K >= 1 for K in loops):
             raise ValueError(f"loops={loops!r}: expected a list of integers >= 1")
@@ -69,6 +70,8 @@ class LoopedLM(TemplateLM):
             raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
         self.model, self.tok, self.numerics, self.log = model.eval(), tokenizer, numerics, log
         self.loops, self.K = sorted(set(loops)), max(loops)
+        report.check_cache_slots(cache_slots, self.loops, "cache_slots")
+        self.cache_slots = cache_slots
         self.exit_threshold, self.batch_size = exit_threshold, batch_size
         self.max_length = model.config.sequence_len
         self.scores = {}  # a scored sequence's fingerprint -> {K: (log-likelihood, is_greedy)}, every K of loops
@@ -83,7 +86,7 @@ class LoopedLM(TemplateLM):
     def get_model_info(self):
         """Recorded by simple_evaluate in its results' config."""
         return {"K": self.K, "loops": self.loops, "exit_threshold": self.exit_threshold,
-                "sequence_len": self.max_length}
+                "cache_slots": self.cache_slots, "sequence_len": self.max_length}
 
     # ------------------------------------------------------------------ scoring
     @property
@@ -181,7 +184,8 @@ class LoopedLM(TemplateLM):
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in jobs], device=device)
         with self.numerics:
             for tokens in self.model.generate(context, max(n for _, n, _ in jobs), temperature=0, loops=self.K,
-                                              exit_threshold=self.exit_threshold, attention_mask=mask):
+                                              exit_threshold=self.exit_threshold, attention_mask=mask,
+                                              cache_slots=self.cache_slots):
                 for row, (token, (_, n, until)) in enumerate(zip(tokens[:, 0].tolist(), jobs)):
                     if not stopped[row]:
                         new[row].append(token)
@@ -192,10 +196,10 @@ class LoopedLM(TemplateLM):
                 for ids, (_, _, until) in zip(new, jobs)]
 
 
-def load(run, loops, device="", dtype="", exit_threshold=None, batch_size=32, log=print):
+def load(run, loops, device="", dtype="", exit_threshold=None, batch_size=32, log=print, cache_slots=None):
     """(LoopedLM, the checkpoint's meta) for the newest readable checkpoint at `run` (a run's out_dir or a
     step directory) and the tokenizer saved with it, on `device` ("" = cuda if there is one), in `dtype`
-    ("" = the run's), as eval.py loads it."""
+    ("" = the run's), as eval.py loads it. cache_slots: generate_until's KV cache (LoopedLM)."""
     rt = runtime.setup(device)
     if rt.world > 1:
         raise ValueError(f"WORLD_SIZE={rt.world}: lm_eval_flt runs in one process; run it without torchrun")
@@ -204,7 +208,7 @@ def load(run, loops, device="", dtype="", exit_threshold=None, batch_size=32, lo
     lm = LoopedLM(model, data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),
                                              bos=settings.get("bos_token", data.BOS)),
                   loops, runtime.precision(model, rt.device_type, dtype or settings.get("dtype", "fp32")),
-                  exit_threshold, batch_size, log)
+                  exit_threshold, batch_size, log, cache_slots)
     return lm, meta
 
 
@@ -248,6 +252,8 @@ def parse(argv):
     p.add_argument("--device", default="", help="cuda | cpu | mps; empty = cuda if there is one")
     p.add_argument("--dtype", default="", help="bf16 | fp32; empty = the dtype the run trained with")
     p.add_argument("--exit_threshold", type=float, default=None, help="KL exit rule threshold (nats); none = off")
+    p.add_argument("--cache_slots", type=int, default=None,
+                   help="generate_until's KV cache: loop slots per layer, 1 to the smallest K; none = K (exact)")
     p.add_argument("--limit", type=float, default=None, help="items per task (< 1: a fraction); for quick checks")
     p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples; default: each task's own")
     p.add_argument("--include_path", default=None, help="a directory of task YAMLs beside the harness's own")
@@ -255,6 +261,7 @@ def parse(argv):
     p.add_argument("--output_path", default="", help="the JSON file; empty = <step dir>/lm_eval.json")
     args = p.parse_args(argv)
     args.loops = report.loop_budgets(args.loops)
+    report.check_cache_slots(args.cache_slots, args.loops, "--cache_slots")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size={args.batch_size}: expected a positive integer")
     if args.include_path and not os.path.isdir(args.include_path):
@@ -268,7 +275,8 @@ def main(argv):
     args = parse(argv)
     task_manager = TaskManager(include_path=args.include_path)
     tasks = task_names(args.tasks, task_manager)
-    lm, meta = load(args.run, args.loops, args.device, args.dtype, args.exit_threshold, args.batch_size)
+    lm, meta = load(args.run, args.loops, args.device, args.dtype, args.exit_threshold, args.batch_size,
+                    cache_slots=args.cache_slots)
     path = args.output_path or os.path.join(meta["path"], "lm_eval.json")
     config = lm.model.config
     print(f"{meta['path']} (step {meta.get('step')}): {config.variant}, trained at K={config.loops}; tasks {tasks} "

@@ -51,7 +51,7 @@ def test_memory_step_prints_one_json_record():
 def test_unknown_mode_names_the_modes():
     p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 1 and "mode='nope': expected one of ['hf', 'lmeval', 'loader', 'memory', 'memory_step', " \
+    assert p.returncode == 1 and "mode='nope': expected one of ['cache', 'hf', 'lmeval', 'loader', 'memory', 'memory_step', " \
                                   "'ratios', 'syncs', 'train']" in p.stderr
 
 

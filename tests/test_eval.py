@@ -774,6 +774,19 @@ def test_eval_py_runs_accumulate(tmp_path, capsys):
     assert json.loads((step / "eval.json").read_text())["results"] == {"1": samples[1]}
 
 
+def test_sample_mode_decodes_with_cache_slots(tmp_path, monkeypatch):
+    """--cache_slots reaches every sample's model.generate (runtime.sample), at each K of --loops."""
+    model, tok, _ = save_checkpoint(tmp_path)
+    calls, sample = [], runtime.sample
+    monkeypatch.setattr(runtime, "sample", lambda *args, **kw: calls.append((kw["loops"], kw["cache_slots"]))
+                        or sample(*args, **kw))
+    results = ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=3,2", "--modes=sample", "--sample_tokens=4",
+                       "--cache_slots=1"])
+    assert calls == [(2, 1)] * len(ev.SAMPLE_PROMPTS) + [(3, 1)] * len(ev.SAMPLE_PROMPTS)
+    assert results[3]["samples"][0] == sample(model, tok, ev.SAMPLE_PROMPTS[0], 4, temperature=0, loops=3,
+                                              cache_slots=1)
+
+
 class Stop(Exception):
     pass
 

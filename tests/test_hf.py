@@ -200,6 +200,22 @@ def test_sampling_with_a_seed_matches_the_projects_generate(loaded):
                                                                   do_sample=False)[:, ids.size(1):])
 
 
+def test_cache_slots_is_a_generate_keyword(loaded):
+    """generate(cache_slots=m) decodes with model.py's KVCache of m loop slots per layer: the tokens of the
+    project's generate(cache_slots=m) on the same left-padded batch; a value outside 1..K is refused by name."""
+    gpt, model, tok = loaded
+    ids, mask = left_padded(prompts(tok), pad_id=tok.pad_token_id)
+    ours = torch.cat(list(gpt.generate(ids, 10, temperature=0, loops=4, attention_mask=mask, cache_slots=1)), 1)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, loops=4, cache_slots=1,
+                             return_dict_in_generate=True)
+    assert sorted(out.cache.kv) == [(0, layer) for layer in range(gpt.config.n_layer)]
+    theirs = out.sequences[:, ids.size(1):]
+    assert torch.equal(theirs, cut_at_document_end(ours, tok.bos_token_id)[:, :theirs.size(1)])
+    with pytest.raises(ValueError, match="cache_slots=5: expected an integer 1 to loops=4"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, loops=4, cache_slots=5)
+
+
 def test_right_padding_is_refused(exported, loaded):
     _, model, _ = loaded
     tok = AutoTokenizer.from_pretrained(exported, trust_remote_code=True, padding_side="right")

@@ -201,6 +201,15 @@ def test_greedy_generation_equals_an_uncached_argmax_loop(redrawn, exit_threshol
     assert len(lm.tok_encode(asks[0][0])) != len(lm.tok_encode(asks[2][0]))  # one batch (max_gen_toks 10), padded
 
 
+def test_generation_decodes_with_the_cache_slots_asked_for(redrawn, monkeypatch):
+    """cache_slots (model.KVCache's loop slots per layer) reaches model.generate and the model's info."""
+    lm, seen = adapter(redrawn, loops=[2, 4], cache_slots=1).at(4), []
+    generate = lm.model.generate
+    monkeypatch.setattr(lm.model, "generate", lambda *args, **kw: seen.append(kw["cache_slots"]) or generate(*args, **kw))
+    lm.generate_until(requests("generate_until", ("The function returns", {"until": ["."], "max_gen_toks": 4})))
+    assert seen == [1] and lm.get_model_info()["cache_slots"] == 1
+
+
 # ----------------------------------------------------------------------------- the harness, offline
 def test_harness_runs_the_offline_tasks_at_each_K(redrawn, monkeypatch):
     monkeypatch.chdir(ROOT)  # the task YAMLs' data_files are relative to the repository root
@@ -257,6 +266,8 @@ def test_command_prints_one_table_and_writes_one_json(run, tmp_path):
     (["--run", ".", "--loops", "2,a"], ValueError, "--loops='2,a': expected comma-separated integers >= 1"),
     (["--run", ".", "--batch_size", "0"], ValueError, "--batch_size=0: expected a positive integer"),
     (["--run", ".", "--include_path", "no/such/dir"], FileNotFoundError, "--include_path='no/such/dir': no such dir"),
+    (["--run", ".", "--loops", "4,2", "--cache_slots", "3"], ValueError, "--cache_slots=3: expected an integer from "
+     "1 to 2, the smallest loop budget K of [2, 4]"),
 ])
 def test_a_bad_argument_is_named(args, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -290,6 +301,8 @@ def test_bad_model_arguments_are_named(run):
         adapter(run, loops=[0, 2])
     with pytest.raises(ValueError, match=r"exit_threshold=-0.1: expected a KL threshold >= 0"):
         adapter(run, exit_threshold=-0.1)
+    with pytest.raises(ValueError, match=r"cache_slots=2: expected an integer from 1 to 1"):
+        adapter(run, cache_slots=2)
     lm = adapter(run)
     with pytest.raises(ValueError, match=r"K=3: not one of loops=\[1, 2, 4\]"):
         lm.at(3)

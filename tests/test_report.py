@@ -47,7 +47,7 @@ def test_imports_without_torch():
 
 # ----------------------------------------------------------------------------- eval.py's run
 DEFAULTS = dict(modes="bpb", loops="1", exit_thresholds="", batch_size=8, bpb_tokens=10, protocol_ranks=4,
-                protocol_batch=4)
+                protocol_batch=4, cache_slots=None)
 MODES = ("bpb", "wiki", "core", "sample", "exit")
 
 
@@ -65,6 +65,19 @@ def test_parse_orders_modes_and_loops_and_names_bad_settings():
             report.parse(["out/run", arg], DEFAULTS, "eval.py", MODES)
     with pytest.raises(ValueError, match="usage: python eval.py <checkpoint dir>"):
         report.parse(["--loops=3"], DEFAULTS, "eval.py", MODES)
+
+
+def test_cache_slots_are_for_the_sample_mode_and_at_most_the_smallest_K():
+    """Sampling at each K of --loops decodes with cache_slots loop slots per layer (model.KVCache): 1 to K."""
+    assert report.parse(["out/run", "--modes=sample", "--loops=6,2", "--cache_slots=2"], DEFAULTS, "eval.py",
+                        MODES)[1].cache_slots == 2
+    bad = {("--modes=sample", "--loops=6,2", "--cache_slots=3"): "--cache_slots=3: expected an integer from 1 "
+           "to 2, the smallest loop budget K of [2, 6]",
+           ("--modes=sample", "--cache_slots=0"): "--cache_slots=0: expected an integer from 1 to 1",
+           ("--modes=bpb", "--cache_slots=1"): "--cache_slots=1: only the sample mode decodes with the KV cache"}
+    for args, message in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            report.parse(["out/run", *args], DEFAULTS, "eval.py", MODES)
 
 
 class Numerics:

@@ -1,7 +1,8 @@
 """A thin transformers wrapper around model.py's GPT (copied beside this file): AutoModelForCausalLM with
-trust_remote_code=True. forward and generate take `loops` (K; None = config.loops) and `exit_threshold`
-(the KL exit rule); generate decodes with model.py's own KVCache, one entry per (loop, layer), left-padded
-prompts included (attention_mask). The weights are GPT's, under `model.`."""
+trust_remote_code=True. forward and generate take `loops` (K; None = config.loops), `exit_threshold`
+(the KL exit rule) and `cache_slots` (the KV cache's loop slots per layer, 1 to K; None = K, exact);
+generate decodes with model.py's own KVCache, left-padded prompts included (attention_mask). The weights
+are GPT's, under `model.`."""
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
@@ -24,7 +25,7 @@ class FLTForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls):
-        return False  # generate must not make a DynamicCache: forward makes model.py's KVCache (K*L entries)
+        return False  # generate must not make a DynamicCache: forward makes model.py's KVCache
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -41,16 +42,17 @@ class FLTForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.lm_head
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, loops=None, exit_threshold=None,
-                labels=None, return_dict=True, **kwargs):
+                labels=None, return_dict=True, cache_slots=None, **kwargs):
         """Logits (B, T, vocab_size) of the last of K = `loops` loops (None: config.loops). With use_cache
-        (generate) the first call makes the KVCache, from attention_mask (0 = left padding), and returns it
-        as `cache`; the later calls append to it. A padded call without a cache gets one of its own."""
+        (generate) the first call makes the KVCache, from attention_mask (0 = left padding) and cache_slots,
+        and returns it as `cache`; the later calls append to it. A padded call without a cache gets one of
+        its own."""
         B, T = input_ids.shape
         K = self.config.loops if loops is None else loops
         padded = attention_mask is not None and not bool(attention_mask.all())
         if cache is None and (use_cache or padded):
             cache = KVCache(B, self.model.loop_count(K), self.model.config, capacity=None if use_cache else T,
-                            attention_mask=attention_mask)
+                            attention_mask=attention_mask, cache_slots=cache_slots)
         logits = self.model(input_ids, loops=K, kv_cache=cache, exit_threshold=exit_threshold)
         loss = None
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here; -100 ignored
