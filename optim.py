@@ -1,14 +1,12 @@
 """
-Optimizers for the Fully Looped Transformer (the paper's training recipe, docs/recipe.md): Muon for every 2-D matrix
-inside the blocks; AdamW for the token embedding and the LM head, a lookup table and a
-classifier rather than maps between hidden states, so orthogonalising their updates
-makes no sense. `build_optimizers(model)` splits the parameters by name into
-[adamw, muon]; the training loop sets `group['lr']` from `group['initial_lr']` (and
-Muon's `group['momentum']` warm-up) every step. `sample_loops` draws each step's loop
-count K when K varies (train.py's loops_sampler, beyond the paper).
+Optimizers for the Fully Looped Transformer (the paper's recipe, docs/recipe.md): Muon for every
+2-D matrix inside the blocks; AdamW for the token embedding and the LM head, a lookup table and a
+classifier rather than maps between hidden states, so orthogonalising their updates makes no sense.
+`build_optimizers(model)` splits the parameters by name into [adamw, muon]; the training loop sets
+`group['lr']` from `group['initial_lr']` (and Muon's `group['momentum']` warm-up) every step.
+`sample_loops` draws each step's K when K varies (train.py's loops_sampler, beyond the paper).
 
-The contract: the optimizers own the gradient reduction (no DDP), with the same calls
-for one process and for torchrun. Every step:
+The contract (no DDP: the optimizers own the gradient reduction), alike in one process or torchrun:
   1. backward on each micro-batch: p.grad is this rank's own, un-averaged gradient.
   2. norms, summed = reduce_gradients(optimizers, summed) averages every gradient over the ranks
      and returns {parameter: squared L2 norm of its averaged gradient} and the caller's `summed`
@@ -20,13 +18,12 @@ for one process and for torchrun. Every step:
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
 rank updates, an all-gather of the updated pieces: 2P elements of buffers (DDP: 3P, an all-reduce,
 then sharing the updates), plus an all_reduce of one number per parameter tensor for the norms (and
-`summed`). In one process every collective is skipped. gloo runs reduce_scatter_single /
-all_gather_single (torch 2.13's names for reduce_scatter_tensor / all_gather_into_tensor) as NCCL
-does: tests run NCCL's path.
+`summed`). In one process every collective is skipped. gloo runs reduce_scatter_single / all_gather_single
+(torch 2.13's reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
 
-The state is per rank (its own slices or matrices): save one state_dict() per rank. It holds
-only tensors, numbers and strings (torch.load(weights_only=True) reads it) and records world_size
-and rank; load_state_dict refuses another rank's. _owns(p) and _piece(p, whole) say which piece
+The state is per rank (its own slices or matrices): save one state_dict() per rank. It holds only
+tensors, numbers and strings (torch.load(weights_only=True) reads it) and records world_size and rank;
+load_state_dict refuses another rank's. _owns(p) and _piece(p, whole) say which piece
 of a parameter's state a rank keeps: checkpoint.py reshards a run saved with another world size.
 """
 
