@@ -427,7 +427,7 @@ def sample_mode(c, ctx):
                                   temperature=c.temperature, seed=c.seed, cache_slots=c.cache_slots)
             texts.setdefault(K, []).append(text)
             progress()
-        print0("\n".join(runtime.framed(f"sample at K={K}", s) for K, t in texts.items() for s in t))
+        print0("\n".join(runtime.framed(f"sample at K={K}", x) for K in texts for x in texts[K]))
         return {K: {"samples": t} for K, t in texts.items()}, {}
     return (f"{len(SAMPLE_PROMPTS)} prompts x {c.sample_tokens} tokens at each K in {ctx.loops}, cached decoding",
             sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)
