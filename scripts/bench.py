@@ -486,7 +486,7 @@ def loop_cache_rows(path):
                               bpb=losses[scored].sum().item() / denominator, price=diff.sum().item() / denominator,
                               se=diff.std().item() * math.sqrt(diff.numel()) / denominator,
                               agree=agreement(greedy(m), exact), tok_s=len(prompts) * GEN / statistics.median(times[m]))
-            print(f"{name} K={K} m={m}: price {rows[K][m]['price']:+.4f} +- {rows[K][m]['se']:.4f} bpb", flush=True)
+            print(f"{name} K={K} m={m}: price {rows[K][m]['price']:+.5f} +- {rows[K][m]['se']:.5f} bpb", flush=True)
     return types.SimpleNamespace(name=name, what=what, K=K0, rows=rows)
 
 
@@ -499,7 +499,7 @@ def cache_table(results):
             for m, row in by_m.items():
                 before, overall = row["agree"]
                 lines.append(f"| {r.name} | {K} | {m} | {row['bytes']:,.0f} | {row['bytes'] / by_m[K]['bytes']:.2f} | "
-                             f"{row['bpb_full']:.4f} | {row['bpb']:.4f} | {row['price']:+.4f} | {row['se']:.4f} | "
+                             f"{row['bpb_full']:.4f} | {row['bpb']:.4f} | {row['price']:+.5f} | {row['se']:.5f} | "
                              f"{before:.2f} | {overall:.2f} | {row['tok_s']:,.0f} |")
     return "\n".join(lines)
 
@@ -515,6 +515,7 @@ def cache_plot(results, out):
             points = sorted((m / K, row["price"], row["se"]) for m, row in r.rows[K].items())
             ax.errorbar(*zip(*points), fmt=style, color=f"C{i}", capsize=3, label=f"{r.name}, K={K}")
     ax.axhline(0, color="grey", lw=0.8)
+    ax.set_yscale("symlog", linthresh=1e-4)  # prices from noise level (1e-5) to tenths of a bit
     ax.set(title=f"Loop cache: the bpb price of m of K slots ({device})", ylabel="bpb, cached - full forward",
            xlabel="cache memory / exact cache (m / K)")
     ax.grid(alpha=0.3)
