@@ -509,17 +509,20 @@ def cache_plot(results, out):
     (solid) and at K' = 2K (dashed)."""
     from scripts.plot import pyplot, save
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    fig, ax = plt.subplots(figsize=(8.4, 4.8))
+    lowest = 0.0
     for i, r in enumerate(results):
         for K, style in ((r.K, "o-"), (2 * r.K, "s--")):
             points = sorted((m / K, row["price"], row["se"]) for m, row in r.rows[K].items())
             ax.errorbar(*zip(*points), fmt=style, color=f"C{i}", capsize=3, label=f"{r.name}, K={K}")
+            lowest = min([lowest] + [price - se for _, price, se in points])
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_yscale("symlog", linthresh=1e-4)  # prices from noise level (1e-5) to tenths of a bit
+    ax.set_ylim(bottom=min(-1e-4, 2 * lowest))
     ax.set(title=f"Loop cache: the bpb price of m of K slots ({device})", ylabel="bpb, cached - full forward",
            xlabel="cache memory / exact cache (m / K)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     save(fig, out)
 
 
