@@ -338,10 +338,16 @@ def _doc(obj):
     return inspect.cleandoc(doc) if isinstance(doc, str) else ""
 
 
+# sys's hooks as Python starts; a program may replace them (train.py's errors.install sets excepthook)
+_SYS_HOOKS = {n: getattr(sys, f"__{n}__") for n in ("excepthook", "displayhook", "breakpointhook",
+                                                      "unraisablehook") if hasattr(sys, f"__{n}__")}
+
+
 def _module_doc(mod):
-    """The module's docstring, then each public class/function it defines (and their methods)."""
+    """The module's docstring, then each public class/function it defines (and their methods);
+    for sys, its hooks as Python started, so the corpus does not depend on the program building it."""
     parts = [_doc(mod)]
-    for name, obj in sorted(vars(mod).items()):
+    for name, obj in sorted((vars(mod) | (_SYS_HOOKS if mod is sys else {})).items()):
         if not (_public(name) and (inspect.isclass(obj) or inspect.isroutine(obj))
                 and getattr(obj, "__module__", None) == mod.__name__):
             continue  # skip re-exports, so each docstring appears once
