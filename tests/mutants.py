@@ -20,6 +20,7 @@ PLAN = ["tests/test_planning.py"]
 SHORT_RUN = ["tests/test_train.py::test_short_run_learns_logs_and_saves"]
 OPTIM = ["tests/test_optim.py"] + RECIPE
 MODEL = ["tests/test_model.py", "tests/test_variable_loops.py", "tests/test_padded_generate.py"]
+LOOP_CACHE = ["tests/test_loop_cache.py"]
 
 # (file, the line's text, the slip, the tests that pin it)
 MUTANTS = [
@@ -124,6 +125,13 @@ MUTANTS = [
     ("train.py", 'ns_dtype=torch.bfloat16 if dtype == "bf16" else None', "ns_dtype=None",
      ["tests/test_train.py::test_compiled_bf16_two_ranks_with_loop_checkpointing"]),
     ("optim.py", "math.log(loops - 1) - sigma**2 / 2", "math.log(loops - 1)", ["tests/test_variable_loops.py"]),
+    # model.py: the loop cache (m slots per layer, loop t in slot t mod m)
+    ("model.py", "loop %= self.cache_slots", "loop = min(loop, self.cache_slots - 1)", LOOP_CACHE),
+    ("model.py", "self.cache_slots = loops if cache_slots is None else cache_slots",
+     "self.cache_slots = 1 if cache_slots is None else cache_slots", LOOP_CACHE),
+    ("model.py", "1 <= self.cache_slots <= loops)", "1 <= self.cache_slots)", LOOP_CACHE),
+    ("model.py", "k_prev, v_prev = self.slot(loop - 1, layer, k)", "k_prev, v_prev = self.slot(loop, layer, k)",
+     LOOP_CACHE),
 ]
 
 
