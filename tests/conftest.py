@@ -68,10 +68,23 @@ def embedded(tmp_path_factory):
     return corpus.embedded_corpus(str(tmp_path_factory.mktemp("data")))
 
 
+@pytest.fixture(scope="session")
+def built_data(tmp_path_factory):
+    """A data_dir holding the embedded corpus and the tests' 512-token BPE, built once per worker."""
+    import data
+    root = str(tmp_path_factory.mktemp("built_data"))
+    shards = corpus.embedded_corpus(root)
+    data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], 512)
+    return root
+
+
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """train.py's data_dir for a test module's runs: its corpus and tokenizer are built once."""
-    return str(tmp_path_factory.mktemp("data"))
+def data_dir(tmp_path_factory, built_data):
+    """train.py's data_dir for a test module's runs: its own copy of built_data (a test may damage it),
+    so a module's first run neither builds the corpus nor trains the tokenizer."""
+    path = str(tmp_path_factory.mktemp("data"))
+    shutil.copytree(built_data, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock"))
+    return path
 
 
 class Handler(BaseHTTPRequestHandler):

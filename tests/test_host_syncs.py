@@ -18,8 +18,8 @@ from optim import build_optimizers, reduce_gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4", "--total_batch_size=128",
-        "--bpe_vocab_size=512", "--eval_interval=100", "--eval_tokens=256", "--sample_tokens=0",
-        "--momentum_warmup_steps=5", "--save_interval=100", "--log_clipped_norms"]
+        "--bpe_vocab_size=512", "--eval_interval=100", "--eval_tokens=256", "--final_eval_tokens=256",
+        "--sample_tokens=0", "--momentum_warmup_steps=5", "--save_interval=100", "--log_clipped_norms"]
 # train.py runs in-process under diagnostics.count_host_reads; the counts are left beside the log.
 RUNNER = textwrap.dedent("""
     import json, os, runpy, sys

@@ -39,7 +39,8 @@ from test_train import python  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "lm_eval_tasks")
 TRAIN = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4", "--total_batch_size=128",
-         "--bpe_vocab_size=512", "--num_steps=4", "--eval_interval=4", "--eval_tokens=256", "--sample_tokens=0"]
+         "--bpe_vocab_size=512", "--num_steps=4", "--eval_interval=4", "--eval_tokens=256", "--final_eval_tokens=256",
+         "--sample_tokens=0"]
 LOOPS = [1, 2, 4]
 EXIT = 2e-4  # nats: on the redrawn weights some positions exit at loop 3, the others run all 4
 LONG = ("If the optional argument is given, the function returns a new list of the items in the order "

@@ -23,7 +23,7 @@ from configurator import configure
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4",
         "--total_batch_size=128", "--bpe_vocab_size=512", "--eval_interval=5", "--eval_tokens=256",
-        "--sample_tokens=8", "--momentum_warmup_steps=5"]
+        "--final_eval_tokens=256", "--sample_tokens=8", "--momentum_warmup_steps=5"]
 
 
 def python(*argv, timeout=300):
