@@ -150,12 +150,14 @@ def split_targets(val_file, tokenizer_json, batch, seq_len, n_tokens):
     return sum(c - 1 for c in chunks[:n_tokens // (batch * seq_len)])
 
 
-def test_short_run_learns_logs_and_saves(tmp_path, data_dir):
-    root = tmp_path / "runs"
+def test_short_run_learns_logs_and_saves(tmp_path):
+    root, data_dir = tmp_path / "runs", str(tmp_path / "data")  # a new data_dir: the quick start's first run
     p = train(None, data_dir, f"--out_root={root}", "--num_steps=30", "--save_interval=10", f"--final_eval_tokens={2**20}",
               "--log_clipped_norms",
               script=runner(tmp_path))
     assert os.listdir(root) == ["d1_flt_k3"]  # named by train.py: depth 1, FLT, K = 3
+    assert re.search(rf"embedded corpus: [\d,]+ docs, [\d,]+ bytes in 5 shards at {data_dir}/embedded", p.stdout)
+    assert f"trained a 512-token BPE on 4 files -> {data_dir}/embedded" in p.stdout
     out = root / "d1_flt_k3"
     assert sorted(os.listdir(out)) == ["log.jsonl", "params_rank0.pt", "run.lock", "settings.json", "step_000020",
                                        "step_000030"]
