@@ -18,11 +18,11 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
 rank updates, an all-gather of the updated pieces: 2P elements of buffers (DDP: 3P, an all-reduce,
 then sharing the updates), plus an all_reduce of one number per parameter tensor for the norms (and
-`summed`). In one process every collective is skipped. gloo runs reduce_scatter_single / all_gather_single
+`summed`). One process skips every collective. gloo runs reduce_scatter_single / all_gather_single
 (torch 2.13's reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
 
 The state is per rank (its own slices or matrices): save one state_dict() per rank. It holds only
-tensors, numbers and strings (torch.load(weights_only=True) reads it) and records world_size and rank;
+tensors, numbers and strings (torch.load(weights_only=True) reads it), and world_size and rank:
 load_state_dict refuses another rank's. _owns(p) and _piece(p, whole) say which piece
 of a parameter's state a rank keeps: checkpoint.py reshards a run saved with another world size.
 """
@@ -75,7 +75,7 @@ def muon_update(grad, momentum_buffer, momentum, ns_dtype=None):
 
 
 def squared_norm(g):
-    """A 0-d tensor: the sum of g's squares in at least fp32 (a float64 run's exactly, as tests compare)."""
+    """A 0-d tensor: the sum of g's squares in at least fp32 (a float64 run's in float64)."""
     return g.to(torch.promote_types(g.dtype, torch.float32)).square().sum()
 
 
