@@ -69,13 +69,11 @@ def embedded(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def built_data(tmp_path_factory):
+def built_data(embedded):
     """A data_dir holding the embedded corpus and the tests' 512-token BPE, built once per worker."""
     import data
-    root = str(tmp_path_factory.mktemp("built_data"))
-    shards = corpus.embedded_corpus(root)
-    data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards[:-1], 512)
-    return root
+    data.get_tokenizer("bpe", os.path.dirname(embedded[0]), embedded[:-1], 512)
+    return os.path.dirname(os.path.dirname(embedded[0]))
 
 
 @pytest.fixture(scope="module")
