@@ -1,5 +1,6 @@
-"""Tests for eval.py: CORE prompts and scoring, bits per byte, WikiText perplexity, the budget
-sweep, the bundle's errors, and CLI runs end to end.
+"""Tests for eval.py and its support modules (flt/core.py: CORE's prompts; flt/modes.py: the modes):
+CORE prompts and scoring, bits per byte, WikiText perplexity, the budget sweep, the bundle's
+errors, and CLI runs end to end.
 
 Scores are checked against models whose answers are known: `Oracle` puts all its probability
 on the next token of sequences it was told, `Uniform` on nothing (loss ln V everywhere), and a
@@ -35,6 +36,8 @@ from flt import corpus
 import data
 import eval as ev
 from flt import checkpoint
+from flt import core
+from flt import modes
 from flt import report
 from flt import runtime
 from model import GPT, GPTConfig, Loops
@@ -153,12 +156,12 @@ def make_bundle(root, core_yaml=CORE_YAML, meta=META_CSV, skip=()):
 
 @pytest.fixture
 def tasks(tmp_path):
-    return {t["label"]: t for t in ev.load_bundle(make_bundle(tmp_path / "bundle"))}
+    return {t["label"]: t for t in corpus.load_bundle(make_bundle(tmp_path / "bundle"))}
 
 
 def item_seqs(task, seq_len=256):
-    items = ev.load_items(task, -1)
-    return items, [ev.task_sequences(TOK, task, items, i, seq_len) for i in range(len(items))]
+    items = corpus.load_items(task, -1)
+    return items, [core.task_sequences(TOK, task, items, i, seq_len) for i in range(len(items))]
 
 
 def oracle_for(task, pick):
@@ -193,7 +196,7 @@ WTOK = word_tokenizer()
 def spans(task_type, items, idx=0, fewshot=0, delimiter=" ", max_len=256):
     """[(kept tokens, scored span)] of item idx under eval.py, with the word tokenizer."""
     task = dict(label="t", type=task_type, fewshot=fewshot, delimiter=delimiter)
-    return [(t, t[s:]) for t, s in ev.task_sequences(WTOK, task, items, idx, max_len)]
+    return [(t, t[s:]) for t, s in core.task_sequences(WTOK, task, items, idx, max_len)]
 
 
 # ----------------------------------------------------------------------------- prompts and spans
@@ -208,23 +211,23 @@ def test_load_bundle_reads_yaml_and_baselines(tasks):
 
 def test_prompts_rendered_exactly(tasks):
     shot = "Question: How many legs has a cat?\nAnswer: four\n\n"
-    assert ev.render(tasks["mc_task"], MC[0], [MC[1]]) == [
+    assert core.render(tasks["mc_task"], MC[0], [MC[1]]) == [
         shot + "Question: What color is the sky?\nAnswer: " + c for c in ("green", "blue", "red")]
-    assert ev.render(tasks["schema_task"], SCHEMA[0], [SCHEMA[1]]) == [
+    assert core.render(tasks["schema_task"], SCHEMA[0], [SCHEMA[1]]) == [
         "Anna helped Mia because Mia needed help.\n\nThe cup did not fit in the box because the cup was too big.",
         "Anna helped Mia because Mia needed help.\n\nThe cup did not fit in the box because the box was too big."]
     # LM: contexts stripped; `without` stripped as a whole, so its trailing delimiter goes too
-    assert ev.render(tasks["lm_task"], LM[0], [LM[1]]) == [
+    assert core.render(tasks["lm_task"], LM[0], [LM[1]]) == [
         "The opposite of up is down\n\nThe opposite of hot is", "The opposite of up is down\n\nThe opposite of hot is cold"]
     newline = dict(tasks["lm_task"], delimiter="\n")
-    assert ev.render(newline, {"context": " x ", "continuation": "y"}, []) == ["x", "x\ny"]
+    assert core.render(newline, {"context": " x ", "continuation": "y"}, []) == ["x", "x\ny"]
 
 
 def test_fewshot_draw_matches_nanochat():
     for n, k in [(5, 1), (10, 3), (40, 10)]:
         for idx in range(n):
             expected = random.Random(1234 + idx).sample([i for i in range(n) if i != idx], k)
-            assert ev.fewshot_indices(idx, n, k) == expected
+            assert core.fewshot_indices(idx, n, k) == expected
 
 
 def test_mc_span_starts_after_the_prefix_common_to_all_choices():
@@ -286,7 +289,7 @@ def test_a_prompt_longer_than_sequence_len_is_scored_whole():
              for i, w in enumerate(["is hot", "is cold", "was too big", "ran", "sat", "dog", "ice", "the", "she",
                                     "because", "42", "hot"])]
     task = dict(label="t", type="multiple_choice", fewshot=10, delimiter=" ")
-    seqs = ev.task_sequences(WTOK, task, items, 0, ev.longest_input(model))
+    seqs = core.task_sequences(WTOK, task, items, 0, ev.longest_input(model))
     assert ev.longest_input(model) == 160 and all(40 < len(t) <= 160 for t, _ in seqs)
     scores = ev.score_sequences(model, seqs, [1, 3], batch_size=2)
     for K in (1, 3):
@@ -303,23 +306,23 @@ def test_fewshot_examples_come_from_the_items_left_after_the_cut(tmp_path):
     task = dict(label="t", type="multiple_choice", fewshot=1, delimiter=" ", path=str(tmp_path / "mc.jsonl"))
     shuffled = list(items)
     random.Random(1337).shuffle(shuffled)
-    cut = ev.load_items(task, 3)
-    assert cut == shuffled[:3] and ev.load_items(task, -1) == ev.load_items(task, 0) == shuffled
+    cut = corpus.load_items(task, 3)
+    assert cut == shuffled[:3] and corpus.load_items(task, -1) == corpus.load_items(task, 0) == shuffled
     for idx in range(3):
         shot = cut[random.Random(1234 + idx).sample([j for j in range(3) if j != idx], 1)[0]]
         expected = [f"{shot['query']} {shot['choices'][shot['gold']]}\n\n{cut[idx]['query']} {c}" for c in "ab"]
-        assert [t[1:] for t, _ in ev.task_sequences(TOK, task, cut, idx, 256)] == [TOK.encode(p) for p in expected]
+        assert [t[1:] for t, _ in core.task_sequences(TOK, task, cut, idx, 256)] == [TOK.encode(p) for p in expected]
     with pytest.raises(ValueError, match="1-shot needs more than 1 items.*max_per_task=1"):
-        ev.load_items(task, 1)
+        corpus.load_items(task, 1)
 
 
 def test_sequences_are_bos_then_the_prompt(tasks):
     for task in tasks.values():
-        items = ev.load_items(task, -1)
+        items = corpus.load_items(task, -1)
         for idx in range(len(items)):
-            prompts = ev.render(task, items[idx], [items[j] for j in ev.fewshot_indices(idx, len(items), task["fewshot"])])
+            prompts = core.render(task, items[idx], [items[j] for j in core.fewshot_indices(idx, len(items), task["fewshot"])])
             with_continuation = prompts[1:] if task["type"] == "language_modeling" else prompts
-            assert [t for t, _ in ev.task_sequences(TOK, task, items, idx, 256)] == [
+            assert [t for t, _ in core.task_sequences(TOK, task, items, idx, 256)] == [
                 [TOK.bos_id] + TOK.encode(p) for p in with_continuation]
 
 
@@ -327,8 +330,8 @@ def test_spans_with_a_real_bpe_tokenizer(tmp_path, tasks):
     """Byte-level BPE merges the delimiter into the next word ('Ġblue'): the span holds the answer."""
     tok = bpe_tokenizer(tmp_path)
     for task in tasks.values():
-        items = ev.load_items(task, -1)
-        seqs = ev.task_sequences(tok, task, items, 0, 256)
+        items = corpus.load_items(task, -1)
+        seqs = core.task_sequences(tok, task, items, 0, 256)
         answers = (items[0]["choices"] if task["type"] == "multiple_choice"
                    else [items[0]["continuation"]] * len(seqs))
         for (toks, start), answer in zip(seqs, answers):
@@ -393,9 +396,9 @@ def test_centered_accuracy_and_core(tasks):
 
 def test_max_per_task_scores_a_prefix_of_the_shuffled_items(tasks):
     task = tasks["mc_task"]
-    items = ev.load_items(task, 2)
-    assert items == ev.load_items(task, -1)[:2]
-    seqs = [ev.task_sequences(TOK, task, items, i, 256) for i in range(2)]
+    items = corpus.load_items(task, 2)
+    assert items == corpus.load_items(task, -1)[:2]
+    seqs = [core.task_sequences(TOK, task, items, i, 256) for i in range(2)]
     gold, wrong = seqs[0][items[0]["gold"]][0], seqs[1][(items[1]["gold"] + 1) % len(items[1]["choices"])][0]
     assert ev.evaluate_task(Oracle({1: [gold, wrong]}), TOK, task, [1], 8, max_per_task=2) == {1: 0.5}
 
@@ -510,18 +513,18 @@ def test_core_matches_a_reimplementation_of_nanochat_example_by_example(tmp_path
     """Every item of the synthetic bundle: the same tokens, span and decision at K = 1 and 2."""
     model = randomize_(tiny_gpt(seq_len=24, loops=2, vocab_size=WTOK.vocab_size))
     n_long = n_items = 0
-    for task in ev.load_bundle(synthetic_bundle(tmp_path / "bundle")):
+    for task in corpus.load_bundle(synthetic_bundle(tmp_path / "bundle")):
         with open(task["path"]) as f:  # nanochat's loading: every line, shuffled with 1337, then cut
             data_ = [json.loads(line) for line in f]
         random.Random(1337).shuffle(data_)
         data_ = data_[:max_per_task] if max_per_task > 0 else data_
-        items = ev.load_items(task, max_per_task)
+        items = corpus.load_items(task, max_per_task)
         got = ev.item_correct(model, WTOK, task, items, range(len(items)), [1, 2], batch_size=5)
         assert items == data_
         for idx in range(len(data_)):
             for K in (1, 2):
                 seqs, right = nanochat_example(model, WTOK, data_, idx, task, K)
-                assert ev.task_sequences(WTOK, task, items, idx, 240) == seqs, (task["label"], idx)
+                assert core.task_sequences(WTOK, task, items, idx, 240) == seqs, (task["label"], idx)
                 assert got[K][idx] == right, (task["label"], idx, K)
             n_long += any(len(t) > 24 for t, _ in seqs)
         n_items += len(items)
@@ -559,16 +562,16 @@ def test_wiki_windows_layout():
     of 2 inputs with the next 2 tokens as targets. Tokens 1..8 are targets once; e is dropped."""
     a, b, c, d, e, nl = 11, 12, 13, 14, 15, 97  # CharTokenizer ids: 1 + index in string.printable
     assert TOK.encode("abcde\n") == [a, b, c, d, e, nl]
-    assert ev.wiki_windows(TOK, ["ab", "", "c\n", "de"], 2, 2) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d]]
+    assert data.wiki_windows(TOK, ["ab", "", "c\n", "de"], 2, 2) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d]]
     # batch 1, one more row: 0 a b 0 0 c \\n 0 d e 0 f: (12 - 1) // 2 = 5 chunks of 3 at a stride of 2; at
     # batch 2 the same stream gives 2 chunks of 5 (4 rows) and drops e 0 f: the batch decides what is scored
     rows = ["ab", "", "c\n", "de", "f"]
     f = TOK.encode("f")[0]
-    assert ev.wiki_windows(TOK, rows, 2, 1) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d], [d, e, 0]]
-    assert ev.wiki_windows(TOK, rows, 2, 2) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d]] and f not in sum(
-        ev.wiki_windows(TOK, rows, 2, 1), [])
+    assert data.wiki_windows(TOK, rows, 2, 1) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d], [d, e, 0]]
+    assert data.wiki_windows(TOK, rows, 2, 2) == [[0, a, b], [b, 0, 0], [0, c, nl], [nl, 0, d]] and f not in sum(
+        data.wiki_windows(TOK, rows, 2, 1), [])
     with pytest.raises(ValueError, match="fewer than one chunk of 2 x sequence_len"):
-        ev.wiki_windows(TOK, ["ab"], 2, 2)
+        data.wiki_windows(TOK, ["ab"], 2, 2)
 
 
 @torch.no_grad()
@@ -580,7 +583,7 @@ def test_perplexity_is_exp_mean_nll_of_the_windows():
     chunks = [stream[i:i + 17] for i in range(0, len(stream) - 16, 16)]
     assert len(stream) > 16 * len(chunks) + 1  # a remainder is dropped
     x, y = torch.cat([c[:-1].view(2, 8) for c in chunks]), torch.cat([c[1:].view(2, 8) for c in chunks])
-    ppl = ev.evaluate_ppl(model, ev.wiki_windows(TOK, rows, 8, 2), [1, 3], batch_size=3)
+    ppl = ev.evaluate_ppl(model, data.wiki_windows(TOK, rows, 8, 2), [1, 3], batch_size=3)
     for K in (1, 3):
         nll = F.cross_entropy(model(x, loops=K).flatten(0, 1), y.flatten())
         assert ppl[K] == pytest.approx(math.exp(nll.item()), rel=1e-5)
@@ -589,12 +592,12 @@ def test_perplexity_is_exp_mean_nll_of_the_windows():
 def test_load_rows_parquet_and_tokens_file(tmp_path):
     rows = ["", " = Title = \n", "", " Body <unk> line .\n"]
     pq.write_table(pa.table({"text": rows}), tmp_path / "w.parquet")
-    assert ev.load_rows(str(tmp_path / "w.parquet")) == rows
+    assert corpus.load_rows(str(tmp_path / "w.parquet")) == rows
     (tmp_path / "wiki.test.tokens").write_text(" \n = Title = \n \n Body <unk> line .\n")  # blank lines hold a space
-    assert ev.load_rows(str(tmp_path / "wiki.test.tokens")) == rows
+    assert corpus.load_rows(str(tmp_path / "wiki.test.tokens")) == rows
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="no 'text' column"):
-        ev.load_rows(str(tmp_path / "bad.parquet"))
+        corpus.load_rows(str(tmp_path / "bad.parquet"))
 
 
 # ----------------------------------------------------------------------------- the one-pass sweep
@@ -647,7 +650,7 @@ def test_sweep_equals_separate_passes(tasks):
 def test_bundle_missing_file_is_named(tmp_path, missing):
     bundle = make_bundle(tmp_path / "b", skip=(missing,))
     with pytest.raises(FileNotFoundError, match=missing.replace(".", r"\.")):
-        ev.load_bundle(bundle)
+        corpus.load_bundle(bundle)
 
 
 @pytest.mark.parametrize("name, bundle_files, match", [
@@ -658,7 +661,7 @@ def test_bundle_missing_file_is_named(tmp_path, missing):
     ("e", dict(meta=META_CSV.replace("Random baseline", "Baseline")), "Random baseline")])
 def test_unknown_task_type_and_missing_baseline_are_named(tmp_path, name, bundle_files, match):
     with pytest.raises(ValueError, match=match):
-        ev.load_bundle(make_bundle(tmp_path / name, **bundle_files))
+        corpus.load_bundle(make_bundle(tmp_path / name, **bundle_files))
 
 
 def test_missing_checkpoint_and_bad_settings(tmp_path):
@@ -698,13 +701,13 @@ def test_cli_end_to_end(tmp_path):
     saved = json.loads((step / "eval.json").read_text())
     assert saved["step"] == 10 and list(saved["results"]) == ["1", "2"]
     # the authors' layout (4 ranks x batch 4); 512 tokens at sequence_len 64 are less than a chunk a rank: one each
-    chunks, n = ev.protocol_chunks([str(tmp_path / "val.parquet")], tok, 64, 512, 4, 4)
+    chunks, n = data.protocol_chunks([str(tmp_path / "val.parquet")], tok, 64, 512, 4, 4)
     [run] = saved["runs"].values()
     assert n == 4 and run["measured"]["bpb"]["tokens"] == sum(int((y >= 0).sum()) for _, y in chunks)
     bpb = ev.evaluate_bpb(model, chunks, {c: tok.token_bytes(c) for c in ("authors", "utf8")}, [1, 2])[0]
-    ppl = ev.evaluate_ppl(model, ev.wiki_windows(tok, ev.load_rows(str(tmp_path / "wiki.test.tokens")), 64, 4),
+    ppl = ev.evaluate_ppl(model, data.wiki_windows(tok, corpus.load_rows(str(tmp_path / "wiki.test.tokens")), 64, 4),
                           [1, 2], 4)
-    core = ev.evaluate_core(model, tok, ev.load_bundle(bundle), [1, 2], 4, log=lambda *a: None)
+    core = ev.evaluate_core(model, tok, corpus.load_bundle(bundle), [1, 2], 4, log=lambda *a: None)
     md = ("| K | Wiki2 ppl | val bpb | CORE | LMB | PIQA | Hella | OPQA | ARC-E | ARC-C | Avg |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|\n")
     for K in (1, 2):
@@ -712,7 +715,7 @@ def test_cli_end_to_end(tmp_path):
         assert r["val_bpb"] == pytest.approx(bpb["authors"][K], rel=1e-5)
         assert r["val_bpb_utf8"] == pytest.approx(bpb["utf8"][K], rel=1e-5)
         assert r["wiki_ppl"] == pytest.approx(ppl[K]) and r["CORE"] == pytest.approx(core[K]["CORE"])
-        assert len(r["samples"]) == len(ev.SAMPLE_PROMPTS) and r["samples"][0].startswith(ev.SAMPLE_PROMPTS[0])
+        assert len(r["samples"]) == len(modes.SAMPLE_PROMPTS) and r["samples"][0].startswith(modes.SAMPLE_PROMPTS[0])
         # the handmade bundle has none of Table 1's six tasks: their cells and Avg stay empty
         md += f"| {K} | {r['wiki_ppl']:.2f} | {r['val_bpb']:.3f} | {100 * r['CORE']:.2f} |" + "  |" * 7 + "\n"
     assert (step / "eval.md").read_text() == saved["table"] == md
@@ -782,8 +785,8 @@ def test_sample_mode_decodes_with_cache_slots(tmp_path, monkeypatch):
                         or sample(*args, **kw))
     results = ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=3,2", "--modes=sample", "--sample_tokens=4",
                        "--cache_slots=1"])
-    assert calls == [(2, 1)] * len(ev.SAMPLE_PROMPTS) + [(3, 1)] * len(ev.SAMPLE_PROMPTS)
-    assert results[3]["samples"][0] == sample(model, tok, ev.SAMPLE_PROMPTS[0], 4, temperature=0, loops=3,
+    assert calls == [(2, 1)] * len(modes.SAMPLE_PROMPTS) + [(3, 1)] * len(modes.SAMPLE_PROMPTS)
+    assert results[3]["samples"][0] == sample(model, tok, modes.SAMPLE_PROMPTS[0], 4, temperature=0, loops=3,
                                               cache_slots=1)
 
 
@@ -818,8 +821,8 @@ def _worker(rank, world, port, bundle, out_dir):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
     result = {"bpb": ev.evaluate_bpb(model, batches[rank::world], {"t": TOK.token_bytes()}, [1, 3])[0]["t"],
-              "ppl": ev.evaluate_ppl(model, ev.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2),
-              "core": ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)}
+              "ppl": ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2),
+              "core": ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()  # no rank tears gloo down while the other still talks to it
@@ -838,8 +841,8 @@ def test_distributed_shares_match_one_process(tmp_path):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
     bpb = ev.evaluate_bpb(model, batches, {"t": TOK.token_bytes()}, [1, 3])[0]["t"]
-    ppl = ev.evaluate_ppl(model, ev.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2)
-    core = ev.evaluate_core(model, TOK, ev.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
+    ppl = ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2)
+    core = ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
     for K in (1, 3):
         assert r0["bpb"][str(K)] == pytest.approx(bpb[K], rel=1e-5)
         assert r0["ppl"][str(K)] == pytest.approx(ppl[K], rel=1e-5)
@@ -893,10 +896,10 @@ def test_protocol_chunks_do_not_depend_on_the_processes(tmp_path):
     """The simulated ranks' chunks, in order, whatever the number of processes sharing them."""
     tok = bpe_tokenizer(tmp_path)
     val = write_val(tmp_path / "six.parquet", VAL_TEXTS)
-    whole, n = ev.protocol_chunks([val], tok, 16, 16 * 2 * 3 * 5, 3, 2)
+    whole, n = data.protocol_chunks([val], tok, 16, 16 * 2 * 3 * 5, 3, 2)
     assert n == 15 and len(whole) == 15  # 5 chunks of each of 3 simulated ranks
     for world in (2, 4, 16):
-        shares = [ev.protocol_chunks([val], tok, 16, 16 * 2 * 3 * 5, 3, 2, rank, world)[0] for rank in range(world)]
+        shares = [data.protocol_chunks([val], tok, 16, 16 * 2 * 3 * 5, 3, 2, rank, world)[0] for rank in range(world)]
         flat = [c for share in shares for c in share]
         assert len(flat) == 15 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(flat, whole))
     stream1 = data.DataLoader([val], tok, 2, 16, 1, 3, cycle=False)
@@ -925,7 +928,7 @@ def test_default_settings_score_the_authors_eval_sh_tokens(tmp_path, monkeypatch
 
     def stop(*args):
         raise Stop
-    monkeypatch.setattr(ev, "estimate", stop)
+    monkeypatch.setattr(modes, "estimate", stop)
     with pytest.raises(Stop):
         ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=bpb", "--val_files=shard_00249.parquet"])
     assert LongSplit.made == [(r, 4, 4, 1024, False) for r in range(4)]

@@ -11,7 +11,7 @@ import pytest
 
 from flt import report
 
-# eval.json's task labels of Table 1's six columns, in the paper's column order (eval.py's docstring)
+# eval.json's task labels of Table 1's six columns, in the paper's column order (docs/evaluation.md)
 LABELS = ["lambada_openai", "piqa", "hellaswag", "openbook_qa", "arc_easy", "arc_challenge"]
 
 
