@@ -45,11 +45,14 @@ def setup(device=""):
     and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU (LOCAL_RANK);
     "cuda:N" = GPU N, for one process only (under torchrun each rank takes its LOCAL_RANK's: choose
     the GPUs with CUDA_VISIBLE_DEVICES); "mps"; "cpu" (no index: there is one CPU device). A device
-    this torch cannot use is a ValueError naming the setting, and so is a torch too old (check_torch).
+    this torch cannot use is a ValueError naming the setting, and so is, under torchrun, a torch
+    without optim.py's collectives (check_torch).
     No process group yet: train.py prepares data first, which may outlast a collective's timeout."""
-    check_torch()
     rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0),
                                                                        ("WORLD_SIZE", 1)))
+    # one process skips every collective (optim.py), so an older torch runs it
+    if world > 1:
+        check_torch()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
         raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' (one process), 'mps', or '' "

@@ -163,15 +163,21 @@ def files(root):
 # ----------------------------------------------------------------------------- the torch version
 
 @pytest.mark.parametrize("missing", runtime.COLLECTIVES)
-def test_a_torch_without_the_collectives_stops_at_setup(missing, monkeypatch):
+def test_a_torch_without_the_collectives_stops_at_setup_under_torchrun(missing, monkeypatch):
     monkeypatch.delattr(torch.distributed, missing)
+    # one process calls no collective: an older torch (a GPU node's own build) runs it
+    assert runtime.setup("cpu").world == 1
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=rf"has no torch\.distributed\.{missing}, which optim\.py calls: install "
                                          r"torch>=2\.13 \(requirements\.txt pins torch==2\.13\.0"):
         runtime.setup("cpu")
 
 
 def test_train_py_with_an_old_torch_stops_before_any_download(tmp_path):
-    patch = "import torch.distributed as dist; del dist.reduce_scatter_single"
+    # rank 0 of two, as torchrun starts it: the check comes before any process group
+    patch = ("import os, torch.distributed as dist; del dist.reduce_scatter_single; "
+             "os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='2')")
     p = train(tmp_path / "run", tmp_path / "data", script=runner(tmp_path, patch), check=False)
     assert p.returncode == 1 and "install torch>=2.13" in p.stderr.splitlines()[-1], p.stderr[-1500:]
     assert sorted(os.listdir(tmp_path)) == ["runner.py"]  # no data, no run directory
