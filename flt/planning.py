@@ -34,24 +34,28 @@ def estimate_memory(model, batch_size, dtype="bf16", compiled=False, checkpoint_
         linears (shared when s = b: 2b d, else one bf16 copy each: 4b d), q and k after
         RoPE (fp32: the cos/sin tables are, 4(d + kv)), SDPA's q, k, v and output
         (b(2d + 2kv)), ReLU and its square (8b d), and with a bf16 stream (CPU autocast) the fp32
-        copies norm (F.rms_norm) keeps of it (8d); per loop also h(t) and the stream (s d)
-      compiled (compile_regions; inductor recomputes pointwise ops): 2s d + b(2d + 2kv) + 4b d
+        copies norm (F.rms_norm) keeps of it (8d), or with CUDA's autocast QK-norm's fp32 q and
+        k (4(d + kv)); per loop also h(t) and the stream (s d)
+      compiled (compile_regions; inductor recomputes the norms' copies): 2s d + 4(d + kv) +
+        b(2d + 2kv) + 8b d, as measured on an H200 (scripts/gpu_check.py, docs/testing.md)
       checkpoint_loops: per loop only what crosses loops (2s d), plus one loop recomputed
       logits: eager keeps tanh and log-softmax outputs (8V) and peaks with two fp32
         gradients (8V) in backward; compiled keeps the bf16 logits (bV) and peaks at +4V.
-    Checked against CPU measurements (bf16 autocast, eager) in tests/test_planning.py. The
-    compiled counts are the partitioner's expected choice, not calibrated: CPU inductor
-    (bench.py --mode=memory, regional) kept ~1.3-1.5x more."""
+    Checked against CPU measurements (bf16 autocast, eager) and the H200's (compiled) in
+    tests/test_planning.py."""
     c, K = model.config, model.loop_count(loops)
     ckpt = c.checkpoint_loops if checkpoint_loops is None else checkpoint_loops
     b = dtype_bytes(dtype)
     s = 2 if (b == 2 and device_type == "cpu") else 4
     d, kv, L, V = c.n_embd, c.n_kv_head * (c.n_embd // c.n_head), c.n_layer, c.padded_vocab
     if compiled:
-        layer, head, head_peak = 2 * s * d + b * (2 * d + 2 * kv) + 4 * b * d, b * V, 4 * V
+        layer = 2 * s * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
+        head, head_peak = b * V, 4 * V
     else:
         layer = 2 * s * d + (2 if s == b else 4) * b * d + 4 * (d + kv) + b * (2 * d + 2 * kv) + 8 * b * d
         layer += 8 * d if s == 2 else 0  # norm (F.rms_norm) saves an fp32 copy of a bf16 stream, twice a layer
+        # CUDA's autocast: QK-norm returns q and k in fp32, kept beside the bf16 copies (H200-measured)
+        layer += 4 * (d + kv) if s == 4 and b == 2 else 0
         head, head_peak = 8 * V, 8 * V
     N, loop = batch_size * c.sequence_len, L * layer + s * d
     held = N * (K * (2 * s * d if ckpt else loop) + 2 * s * d + head)  # + e and norm(e)

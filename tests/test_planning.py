@@ -105,6 +105,20 @@ def test_estimate_memory_states_and_scale():
     assert gib[False, True] < 0.4 * gib[False, False] and gib[True, True] < gib[True, False]
 
 
+# Peak GiB of a training step (bf16, Muon + AdamW, B=16) of config/flt_base.py's model, measured on
+# an NVIDIA H200 (torch 2.11, CUDA 13) by `python -m scripts.gpu_check --batch_size=16`, docs/testing.md
+H200_PEAK_GIB = {(9, True): 69.28, (1, True): 22.66, (9, False): 111.34, (1, False): 48.04}
+
+
+@pytest.mark.parametrize("loops,compiled", sorted(H200_PEAK_GIB))
+def test_estimate_memory_matches_the_h200_measurements(loops, compiled):
+    with torch.device("meta"):
+        model = GPT(config_for_depth(12, vocab_size=151644, sequence_len=1024))
+    planned = estimate_memory(model, 16, "bf16", compiled=compiled, loops=loops)["total"] / 2**30
+    # within 5%: the allocator's rounding and workspace are not modelled
+    assert planned == pytest.approx(H200_PEAK_GIB[loops, compiled], rel=0.05)
+
+
 def test_peak_flops_by_name():
     # Dense bf16 tensor-core peaks as published (the "with sparsity" figures are twice these):
     published = {
