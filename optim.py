@@ -13,8 +13,8 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      summed over the ranks (0-d device tensors, equal on every rank, read by the caller in one
      go), so clipping and the per-module diagnostics see the averaged gradient, as under DDP.
   3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged gradient (c = the
-     clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the gradients
-     (in one process it scales them in place): zero them next. step() alone first reduces by itself.
+     clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
+     gradients (scaled in place): zero them next. step() alone first reduces by itself.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
 rank updates, an all-gather of the updated pieces: 2P elements of buffers (DDP: 3P, an all-reduce,
 then sharing the updates), plus an all_reduce of one number per parameter tensor for the norms (and
@@ -89,7 +89,8 @@ class _Sharded(torch.optim.Optimizer):
         if distributed and not dist.is_initialized():
             raise ValueError("distributed=True needs torch.distributed to be initialised first "
                              "(dist.init_process_group under torchrun)")
-        self.world_size, self.rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
         self._reduced = None  # {param: this rank's piece of its averaged gradient}, until step()
         self._pending = []    # async reduce-scatters; then (all-gather, its output, params)
 
@@ -280,8 +281,8 @@ class AdamW(_Sharded):
 
 @torch.no_grad()
 def reduce_gradients(optimizers, summed=None):
-    """Average the gradients over the ranks; ({parameter: squared L2 norm of its average}, `summed` ({name:
-    0-d tensor}) summed over the ranks): 0-d device tensors from one all-reduce, no host read."""
+    """Average the gradients over the ranks. Returns ({parameter: squared L2 norm of its average},
+    `summed` ({name: 0-d tensor}) summed over the ranks): device tensors of one all-reduce."""
     for opt in optimizers:
         opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
     shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}
@@ -294,8 +295,7 @@ def reduce_gradients(optimizers, summed=None):
 
 def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
                      unembedding_lr=0.004, ns_dtype=None):
-    """
-    Split the model's parameters by name into [AdamW, Muon] (the paper's training recipe, docs/recipe.md):
+    """Split the parameters by name into [AdamW, Muon] (the paper's recipe, docs/recipe.md):
       transformer.wte.weight  -> AdamW, lr embedding_lr * sqrt(768 / d_model)
       lm_head.weight          -> AdamW, lr unembedding_lr * sqrt(768 / d_model)
       transformer.h.*         -> Muon,  lr matrix_lr (all 2-D, no biases or norm gains)
@@ -352,19 +352,19 @@ def lr_multiplier(step, num_steps, warmdown_frac):
 
 
 def muon_momentum(step, warmup_steps, start=0.85, end=0.95):
-    """Muon's momentum, linear from start to end over the first warmup_steps (their 300), then end."""
+    """Muon's momentum: linear from start to end over warmup_steps (their 300), then end."""
     frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
     return (1 - frac) * start + frac * end
 
 
 def clip_coefficient(total_norm, max_norm):
-    """The factor on every gradient: torch.nn.utils.clip_grad_norm_'s rule, min(1, max / (norm + 1e-6))."""
+    """The factor on every gradient, clip_grad_norm_'s rule: min(1, max / (norm + 1e-6))."""
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-# ---------------------------------------------------------------------------- the loop count per step
-# Training over variable loop counts (beyond the paper, which trains at one K; Huginn, Geiping et al.
-# 2025, samples K per step): train.py's loops_sampler.
+# ----------------------------------------------------------------------- the loop count per step
+# Training over variable loop counts (beyond the paper, which trains at one K; Huginn,
+# Geiping et al. 2025, samples K per step): train.py's loops_sampler.
 LOOP_SAMPLERS = ("fixed", "uniform", "lognormal_poisson")
 
 
