@@ -15,6 +15,7 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     generation_config.json   decoding stops at the document token (a new document would begin)
     modeling_flt.py, configuration_flt.py   the transformers wrapper (flt/hf_remote/), around
     model.py                 this repository's model.py itself, imported by the wrapper
+    decoding.py              flt/decoding.py, model.py's KV cache and exit rule, which it imports
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
 """
@@ -35,7 +36,7 @@ from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE = [os.path.join(ROOT, "flt", "hf_remote", name) for name in ("configuration_flt.py", "modeling_flt.py")]
-CODE.append(os.path.join(ROOT, "model.py"))
+CODE += [os.path.join(ROOT, "model.py"), os.path.join(ROOT, "flt", "decoding.py")]
 AUTO_MAP = {"AutoConfig": "configuration_flt.FLTConfig", "AutoModelForCausalLM": "modeling_flt.FLTForCausalLM"}
 
 

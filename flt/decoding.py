@@ -1,0 +1,161 @@
+"""Support for model.py's loop: the attention mask, decoding's KV cache of loop slots, the exit
+rule (depth per token) and the checks of a forward's inputs. A reader of the loop (GPT.loop_states)
+meets each as one name; their bookkeeping lives here.
+
+    mask = attention_mask(n_q, n_k, pos, window, device)  # True = visible (causal, window, padding)
+    cache = KVCache(B, K, config)                         # keys/values per (loop slot, layer)
+    k, v, mask = cache.update(loop, layer, k, v, window)  # what a layer attends to while decoding
+    exits = ExitRule(threshold, idx, head, cache)         # Huginn's KL exit, per position
+    stop = exits.update(hs)                               # after each loop: True once all exited
+
+This file needs torch alone: scripts/export_hf.py copies it beside model.py into a Hugging Face
+folder, where model.py imports it as `.decoding`."""
+import torch
+import torch.nn.functional as F
+
+
+def attention_mask(n_q, n_k, pos, window, device, pad=None):
+    """Boolean mask, True = visible: query pos+i sees key j iff j <= pos+i (and pos+i-j < window).
+    pad (B,): row b's first pad[b] keys are left padding, seen by no query but their own; the
+    mask is then (B, 1, n_q, n_k)."""
+    i = torch.arange(pos, pos + n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    visible = (j <= i) & (i - j < window) if window is not None else j <= i
+    if pad is not None:
+        # a padding query sees itself: a softmax over no key at all would be NaN
+        visible = visible & ((j >= pad[:, None, None, None]) | (i == j))
+    return visible
+
+
+def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
+    """A ValueError naming the bad value if a forward of T tokens at K loops cannot run: past the
+    RoPE table (rope_positions, ROPE_SPAN x sequence_len) or the KV cache's capacity, at another K
+    than the cache's, or with bptt_loops not an integer >= 1 (None: every loop)."""
+    if kv_cache is None:
+        pos, limit = 0, rope_positions
+        what = f"the RoPE table's {limit} positions ({limit // sequence_len} x "
+    else:
+        pos, limit = kv_cache.pos, kv_cache.capacity
+        what = f"the KV cache's capacity of {limit} tokens ("
+    if pos + T > limit:
+        raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={sequence_len})")
+    # fewer loops would leave later loops' entries unwritten
+    if kv_cache is not None and kv_cache.loops != K:
+        raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
+    if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):
+        raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
+
+
+class KVCache:
+    """Keys and values per (loop slot, layer), each loop's from its own stream. K slots (K*L
+    entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t uses slot t mod m,
+    so earlier forwards' tokens are seen as the slot's last loop left them. A forward's tokens go
+    at `pos` (of `capacity`); attention_mask (B, T) of the first forward: 0 = left padding, unseen.
+    """
+
+    def __init__(self, B, loops, config, capacity=None, attention_mask=None, cache_slots=None):
+        self.loops = loops
+        self.n_layer = config.n_layer
+        self.pos = 0
+        self.cache_slots = loops if cache_slots is None else cache_slots
+        if not (isinstance(self.cache_slots, int) and 1 <= self.cache_slots <= loops):
+            raise ValueError(f"cache_slots={cache_slots!r}: expected an integer 1 to loops={loops}")
+        self.capacity = capacity or config.sequence_len
+        self.shape = (B, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
+        # (slot, layer) -> (k, v), each (B, H_kv, capacity, D), made when first written
+        self.kv = {}
+        self.pad = None
+        if attention_mask is not None and not attention_mask.all():
+            self.pad = (attention_mask == 0).sum(1)
+        # a 1 before a 0 in a row: padding on the right
+        if self.pad is not None and (attention_mask != 0).int().diff(dim=1).min() < 0:
+            raise ValueError("attention_mask: expected left padding, "
+                             "each row's 0s (padding) before its 1s")
+
+    def positions(self, n):
+        """RoPE positions of the next n tokens: from pos, or per row (B, n) from its first token."""
+        if self.pad is None:
+            return slice(self.pos, self.pos + n)
+        at = torch.arange(self.pos, self.pos + n, device=self.pad.device)
+        return (at - self.pad[:, None]).clamp(min=0)
+
+    def slot(self, loop, layer, like):
+        # loop t's slot
+        loop %= self.cache_slots
+        if (loop, layer) not in self.kv:
+            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
+        return self.kv[loop, layer]
+
+    def update(self, loop, layer, k, v, window=None, done=None):
+        """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far
+        and the attention mask (window: the layer's). done (B, T): this forward's positions that
+        stopped looping before `loop` (ExitRule); they keep the previous loop's keys/values, their
+        exit loop's (as Huginn's cache)."""
+        k_all, v_all = self.slot(loop, layer, k)
+        end = self.pos + k.size(2)
+        # loop - 1's slot holds this forward's tokens at loop - 1
+        if done is not None and loop > 0:
+            k_prev, v_prev = self.slot(loop - 1, layer, k)
+            k = torch.where(done[:, None, :, None], k_prev[:, :, self.pos:end], k)
+            v = torch.where(done[:, None, :, None], v_prev[:, :, self.pos:end], v)
+        k_all[:, :, self.pos:end], v_all[:, :, self.pos:end] = k, v
+        # one new token, no window, no padding: it sees every key
+        unmasked = window is None and self.pad is None and k.size(2) == 1
+        mask = None
+        if not unmasked:
+            mask = attention_mask(k.size(2), end, self.pos, window, k.device, self.pad)
+        return k_all[:, :, :end], v_all[:, :, :end], mask
+
+    def fill(self, last, n):
+        """All n tokens from pos exited by loop `last`: copy their keys/values into the loops not
+        run after it."""
+        for loop in range(last + 1, self.loops):
+            for layer in range(self.n_layer):
+                prev = self.slot(loop - 1, layer, None)
+                for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
+                    dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
+
+
+class ExitRule:
+    """Depth per token (Huginn's KL exit) in one forward over idx (B, T): from loop 2 on, a
+    position stops looping once KL(p(t-1) || p(t)) of its LM-head distributions is below
+    `threshold` (nats). Its h(t) then stays h(exit loop), and its keys/values at later loops are
+    its exit loop's (`done`, for KVCache.update), so later tokens attend to the last state it
+    reached. exit_loops (B, T): the loops each position ran; threshold None: no rule."""
+
+    def __init__(self, threshold, idx, head, kv_cache):
+        self.threshold = threshold
+        self.head = head
+        self.kv_cache = kv_cache
+        self.logp = None
+        # done: exited yet; exit_loops: K until a position exits
+        self.done = None
+        self.exit_loops = None
+        if threshold is not None:
+            self.done = torch.zeros_like(idx, dtype=torch.bool)
+            self.exit_loops = torch.full(idx.shape, kv_cache.loops, device=idx.device)
+
+    def update(self, hs):
+        """After loop t = len(hs): positions that exited before it keep their h; those whose
+        prediction moved less than the threshold since loop t-1 exit at t. True once no position
+        loops on: the later loops' h and keys/values are then copies, filled in here, and the
+        loop can stop."""
+        if self.threshold is None:
+            return False
+        t, K = len(hs), self.kv_cache.loops
+        logp = F.log_softmax(self.head(hs[-1]), dim=-1)
+        # loop 1 has nothing to compare with
+        if self.logp is not None:
+            # KL(p(t-1) || p(t)), clamped: 0 never exits on rounding
+            kl = F.kl_div(logp, self.logp, log_target=True, reduction="none").sum(-1)
+            exits = ~self.done & (kl.clamp(min=0) < self.threshold)
+            hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])
+            self.exit_loops[exits] = t
+            # a done position is never checked again
+            self.done = self.done | exits
+        self.logp = logp
+        if t < K and self.done.all():
+            self.kv_cache.fill(t - 1, hs[-1].size(1))
+            hs += hs[-1:] * (K - t)
+            return True
+        return False
