@@ -1,12 +1,13 @@
-"""Data: the paper's text as (x, y) batches of token ids: byte-level BPE tokenizers, a streaming loader.
+"""Data: the paper's text as (x, y) batches of token ids: byte-level BPE tokenizers, a loader.
 
-The paper pretrains on FineWeb-Edu (nanochat's parquet shards) with the Qwen3 tokenizer; for CPU work
-with no network the same code path runs on an embedded corpus built from text every Python ships with,
-and a BPE trained on it. Both are parquet shards with a `text` column, the last one held out for
-validation (`python -m flt.corpus` downloads or builds them). Packing and byte counts follow the paper
-authors' code (nanochat/dataloader.py, get_token_bytes): each document is [bos] + its tokens, one stream
-per rank, cut into chunks of B*T+1 tokens that never overlap. The evaluation's tokens are cut the same
-way (protocol_chunks: the authors' eval.sh layout; wiki_windows: their WikiText loader); eval.py scores them.
+The paper pretrains on FineWeb-Edu (nanochat's parquet shards) with the Qwen3 tokenizer; for CPU
+work with no network the same code path runs on an embedded corpus built from text every Python
+ships with, and a BPE trained on it. Both are parquet shards with a `text` column, the last one
+held out for validation (`python -m flt.corpus` downloads or builds them). Packing and byte counts
+follow the paper authors' code (nanochat/dataloader.py, get_token_bytes): each document is
+[bos] + its tokens, one stream per rank, cut into chunks of B*T+1 tokens that never overlap. The
+evaluation's tokens are cut the same way (protocol_chunks: the authors' eval.sh layout;
+wiki_windows: their WikiText loader); eval.py scores them.
 """
 import os
 from collections import deque
@@ -16,12 +17,15 @@ from itertools import islice
 import tokenizers
 import torch
 
-from flt import checkpoint, corpus
+from flt import corpus, loader_state
 from flt.runtime import atomic_write
 
-BOS = "<|endoftext|>"  # the document token: Qwen3 id 151643; prefixed to every document
-QWEN3_VOCAB = 151669  # ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (151644..151668); train.py --dry_run
-QWEN3_BOS = "<|im_start|>"  # the paper authors' document token with the Qwen3 tokenizer (id 151644)
+# the document token: Qwen3 id 151643; prefixed to every document
+BOS = "<|endoftext|>"
+# ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (151644..151668); train.py --dry_run
+QWEN3_VOCAB = 151669
+# the paper authors' document token with the Qwen3 tokenizer (id 151644)
+QWEN3_BOS = "<|im_start|>"
 
 
 def tokenizer_threads(cpus, local_world_size):
@@ -30,9 +34,11 @@ def tokenizer_threads(cpus, local_world_size):
     return max(1, cpus // max(1, local_world_size))
 
 
-# Set before the pool starts (its first parallel encode or training), and never over the user's own.
-CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
-os.environ.setdefault("RAYON_NUM_THREADS", str(tokenizer_threads(CPUS, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+# Set before the pool starts (its first parallel encode or training), never over the user's own.
+# The CPUs this process may use (macOS has no affinity: all of them).
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+os.environ.setdefault("RAYON_NUM_THREADS",
+                      str(tokenizer_threads(CPUS, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
 
 
 # ---- Tokenizer
@@ -44,8 +50,8 @@ class Tokenizer:
         self.bos_id = tok.token_to_id(bos)
         if self.bos_id is None:
             special = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
-            raise ValueError(f"{name}: no {bos!r} token for the document token (setting bos_token); "
-                             f"its special tokens: {special}")
+            raise ValueError(f"{name}: no {bos!r} token for the document token "
+                             f"(setting bos_token); its special tokens: {special}")
         # "<|endoftext|>" written inside a document is text, not a fake document boundary
         tok.encode_special_tokens = True
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -60,10 +66,10 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self, count="authors"):
-        """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (what the paper
-        reports; their get_token_bytes): len(decode([id]).encode()), 0 for every added token, so part of
-        a multi-byte character counts 3 (U+FFFD). "utf8": the true bytes (in byte-level BPE one per
-        character of the token string), 0 for special tokens only."""
+        """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (what the
+        paper reports; their get_token_bytes): len(decode([id]).encode()), 0 for every added
+        token, so part of a multi-byte character counts 3 (U+FFFD). "utf8": the true bytes (in
+        byte-level BPE one per character of the token string), 0 for special tokens only."""
         if count not in ("authors", "utf8"):
             raise ValueError(f"token_bytes: count must be 'authors' or 'utf8', got {count!r}")
         added = self.tok.get_added_tokens_decoder()
@@ -73,7 +79,8 @@ class Tokenizer:
         alphabet = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
         table = torch.zeros(self.vocab_size, dtype=torch.long)
         for i in range(self.vocab_size):
-            if i in added:  # added tokens are stored as plain text
+            # added tokens are stored as plain text
+            if i in added:
                 table[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
             elif (token := self.tok.id_to_token(i)) is not None:
                 if not set(token) <= alphabet:
@@ -97,9 +104,10 @@ def train_tokenizer(files, vocab_size, path):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
+    # every byte encodable: the 256 bytes are the initial alphabet
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[BOS], show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())  # every byte encodable
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((corpus.read_texts(f, g) for f, g in row_groups), trainer)
     tokenizer = Tokenizer(tok, name=path)
     tokenizer.save(path)
@@ -115,7 +123,8 @@ def load_tokenizer(name_or_path, cache_dir=None, bos=BOS):
                                 "path or a hub name like 'Qwen/Qwen3-0.6B'")
     try:
         tok = tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # the library raises a bare Exception for a malformed file
+    # the library raises a bare Exception for a malformed file
+    except Exception as e:
         raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from e
     return Tokenizer(tok, name=path, bos=bos)
 
@@ -127,7 +136,8 @@ def get_tokenizer(spec, data_dir, train_files, vocab_size, bos=BOS):
     if bos != BOS:
         raise ValueError(f"the local 'bpe' tokenizer has {BOS!r}, not {bos!r} (setting bos_token)")
     path = os.path.join(data_dir, f"tokenizer_bpe{vocab_size}.json")
-    with corpus.locked(path):  # rank 0 trains, the other ranks wait and load
+    # rank 0 trains, the other ranks wait and load
+    with corpus.locked(path):
         if os.path.exists(path):
             return load_tokenizer(path)
         return train_tokenizer(train_files, vocab_size, path)
@@ -135,80 +145,60 @@ def get_tokenizer(spec, data_dir, train_files, vocab_size, bos=BOS):
 
 # ---- Streaming loader
 class DataLoader:
-    """(x, y) batches of shape (B, T) cut from one rank's token stream, as the authors' loader does.
+    """(x, y) batches of shape (B, T) cut from one rank's token stream, as the authors' loader.
 
     A rank's stream: each file in turn, its row groups rank, rank + world_size, ... (per file, as
-    nanochat's dataloader.py), each document as [bos] + tokens. A batch is the next chunk of B*T+1
-    tokens: x = its first B*T, y = its last B*T, viewed (B, T) (row b's last target is row b+1's first
-    input). The next chunk starts after it: a chunk's first token is never a target.
+    nanochat's dataloader.py), each document as [bos] + tokens. A batch is the next chunk of
+    B*T+1 tokens: x = its first B*T, y = its last B*T, viewed (B, T) (row b's last target is row
+    b+1's first input). The next chunk starts after it: a chunk's first token is never a target.
     cycle=True (training): after its last row group the rank starts a new epoch, and prints so.
-    cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with bos and
-    y with -1 (ignored targets), then StopIteration: no target twice, and the tail is not lost.
-    state_dict() is the position of the next unread token ({"epoch", "file" (its name), "row_group",
-    "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's "epoch_tokens"
-    read and "epoch_batches" begun: a loader built with state=loader.state_dict() after batch n yields
-    batch n+1; state=[every rank's state] of another world size: checkpoint.continue_loader. While a row
-    group is used, the next `prefetch` are tokenized in a background thread (train.py's loader_prefetch).
+    cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with
+    bos and y with -1 (ignored targets), then StopIteration: no target twice, the tail not lost.
+    state_dict() is the position of the next unread token ({"epoch", "file" (its name),
+    "row_group", "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's
+    "epoch_tokens" read and "epoch_batches" begun: a loader built with
+    state=loader.state_dict() after batch n yields batch n+1; state=[every rank's state] of
+    another world size: checkpoint.continue_loader. While a row group is used, the next
+    `prefetch` are tokenized in a background thread (train.py's loader_prefetch).
     """
 
-    def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu", state=None,
-                 cycle=True, prefetch=1):
-        if not files:
-            raise ValueError("DataLoader: no files given")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
-        self.files, self.tokenizer = list(files), tokenizer
+    def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu",
+                 state=None, cycle=True, prefetch=1):
+        self.files = list(files)
+        self.names = [os.path.basename(f) for f in self.files]
+        # each a ValueError that names the bad argument (flt/loader_state.py)
+        loader_state.check_arguments(files, self.names, batch_size, seq_len, rank, world_size)
+        self.tokenizer = tokenizer
         self.B, self.T = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.device, self.cycle = torch.device(device), cycle
-        self.names = [os.path.basename(f) for f in self.files]
-        if len(set(self.names)) < len(self.names):
-            raise ValueError(f"DataLoader: file names must differ (a loader state names files): {self.names}")
-        self.rows = []  # documents in each row group of each file (every shard has rows: open_parquet checks)
+        # documents in each row group of each file (every shard has rows: open_parquet checks)
+        self.rows = []
         for path in self.files:
             with corpus.open_parquet(path) as pf:
-                self.rows.append([pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+                groups = range(pf.num_row_groups)
+                self.rows.append([pf.metadata.row_group(g).num_rows for g in groups])
         row_groups = {name: len(rows) for name, rows in zip(self.names, self.rows)}
-        self.groups = [(i, g) for i, n in enumerate(row_groups.values()) for g in range(rank, n, world_size)]
-        if not self.groups and cycle:  # would loop forever looking for a token
-            raise ValueError(f"rank {rank} of {world_size} gets no documents: row groups per file "
-                             f"{row_groups} in {self.files[0]}, ...; use fewer ranks or more data")
+        # this rank's row groups: (file, row group), per file rank, rank + world_size, ...
+        self.groups = [(i, g) for i, n in enumerate(row_groups.values())
+                       for g in range(rank, n, world_size)]
+        loader_state.check_groups(self, row_groups)
+        # the position of the next token (state_dict) and the epoch's counts
         self.epoch = self.pos = self.offset = self.epoch_tokens = self.epoch_batches = 0
         self.tokens, self.done = None, not self.groups
         self.pool, self.prefetch = ThreadPoolExecutor(1), prefetch
-        self.ahead = deque()  # (position, the future of its tokens), the next `prefetch` row groups in order
+        # (position, the future of its tokens): the next `prefetch` row groups, in order
+        self.ahead = deque()
         self.skipped_documents = 0
-        if state is None:
-            return
-        if isinstance(state, list):  # every rank's state, or this rank's own
-            if len(state) != 1 or state[0]["world_size"] != world_size:
-                self.epoch, self.pos, self.skipped_documents = checkpoint.continue_loader(self, state)
-                return
-            state = state[0]
-        if missing := sorted(self.state_dict().keys() - state.keys()):
-            raise ValueError(f"loader state {state} lacks {missing}: saved before data.py packed as the authors' "
-                             "loader does; resume with a state this loader saved")
-        if not 0 <= state["row_group"] < row_groups.get(state["file"], 0):
-            raise ValueError(f"loader state: no row group {state['row_group']} of file {state['file']!r} in "
-                             f"the loader's files (row groups: {row_groups}); resume with the run's files")
-        where = (self.names.index(state["file"]), state["row_group"])
-        if (state["rank"], state["world_size"]) != (rank, world_size) or where not in self.groups:
-            raise ValueError(f"loader state {state} is not a position of rank {rank} of "
-                             f"{world_size} in these {len(self.files)} files")
-        self.epoch, self.pos, self.offset = state["epoch"], self.groups.index(where), state["offset"]
-        self.epoch_tokens, self.epoch_batches = state["epoch_tokens"], state["epoch_batches"]
-        self.tokens = self._load()
-        if not 0 <= self.offset < len(self.tokens):
-            raise ValueError(f"loader state {state}: offset outside the row group "
-                             f"({len(self.tokens)} tokens)")
+        if state is not None:
+            # resume at a saved position, or continue another world size's (flt/loader_state.py)
+            loader_state.restore(self, state, row_groups)
 
     def state_dict(self):
         file, row_group = self.groups[self.pos]
-        return {"epoch": self.epoch, "file": self.names[file], "row_group": row_group, "offset": self.offset,
-                "rank": self.rank, "world_size": self.world_size, "epoch_tokens": self.epoch_tokens,
-                "epoch_batches": self.epoch_batches}
+        return {"epoch": self.epoch, "file": self.names[file], "row_group": row_group,
+                "offset": self.offset, "rank": self.rank, "world_size": self.world_size,
+                "epoch_tokens": self.epoch_tokens, "epoch_batches": self.epoch_batches}
 
     def tokenize(self, file, row_group):
         """Row group row_group of file number `file` as one stream: [bos] + ids of each document."""
@@ -221,24 +211,28 @@ class DataLoader:
         """Row group self.pos, tokenized; keeps the next `prefetch` tokenizing in the background."""
         if self.ahead and self.ahead[0][0] == self.pos:
             tokens = self.ahead.popleft()[1].result()
-        else:  # the first row group, or a new start: nothing queued
+        # the first row group, or a new start: nothing queued
+        else:
             self.ahead.clear()
             tokens = self.tokenize(*self.groups[self.pos])
         following = self.ahead[-1][0] if self.ahead else self.pos
         while len(self.ahead) < self.prefetch:
             following = (following + 1) % len(self.groups)
-            if not (following or self.cycle):  # without cycle, no epoch follows the last row group
+            # without cycle, no epoch follows the last row group
+            if not (following or self.cycle):
                 break
-            self.ahead.append((following, self.pool.submit(self.tokenize, *self.groups[following])))
+            future = self.pool.submit(self.tokenize, *self.groups[following])
+            self.ahead.append((following, future))
         return tokens
 
     def _end_epoch(self):
         """The rank's row groups are used up: a new epoch (cycle), else the end of the stream."""
         if self.cycle:
             files = len({file for file, _ in self.groups})
-            print(f"DataLoader rank {self.rank}: epoch {self.epoch} is used up (row groups: {len(self.groups)}, "
-                  f"files: {files}, tokens: {self.epoch_tokens:,}, batches served: {self.epoch_batches}); "
-                  f"epoch {self.epoch + 1} starts: its documents are seen again", flush=True)
+            print(f"DataLoader rank {self.rank}: epoch {self.epoch} is used up (row groups: "
+                  f"{len(self.groups)}, files: {files}, tokens: {self.epoch_tokens:,}, batches "
+                  f"served: {self.epoch_batches}); epoch {self.epoch + 1} starts: its documents "
+                  "are seen again", flush=True)
         self.done = not self.cycle
         self.pos = self.epoch_tokens = self.epoch_batches = 0
         self.epoch += 1
@@ -249,7 +243,8 @@ class DataLoader:
     def __next__(self):
         """The next chunk of B*T+1 tokens as (x, y), moving through row groups and epochs."""
         pieces, n = [], self.B * self.T + 1
-        self.epoch_batches += 1  # a chunk that crosses the end of an epoch counts for the one it began in
+        # a chunk that crosses the end of an epoch counts for the one it began in
+        self.epoch_batches += 1
         while n and not self.done:
             if self.tokens is None:
                 self.tokens = self._load()
@@ -258,18 +253,21 @@ class DataLoader:
             n -= len(piece)
             self.offset += len(piece)
             self.epoch_tokens += len(piece)
-            if self.offset == len(self.tokens):  # row group used up: the state names the next one
+            # row group used up: the state names the next one
+            if self.offset == len(self.tokens):
                 self.pos += 1
                 self.offset, self.tokens = 0, None
                 if self.pos == len(self.groups):
                     self._end_epoch()
         chunk = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
-        if len(chunk) < 2:  # only without cycle: the stream is over
+        # only without cycle: the stream is over
+        if len(chunk) < 2:
             raise StopIteration
         cuda = self.device.type == "cuda"
         # pinned host memory lets the copy to the GPU overlap with compute (non_blocking)
         xy = torch.empty(2, self.B * self.T, dtype=torch.long, pin_memory=cuda)
-        xy[0], xy[1] = self.tokenizer.bos_id, -1  # the padding of a final partial chunk
+        # the padding of a final partial chunk
+        xy[0], xy[1] = self.tokenizer.bos_id, -1
         xy[0, :len(chunk) - 1], xy[1, :len(chunk) - 1] = chunk[:-1], chunk[1:]
         x, y = xy.view(2, self.B, self.T).to(self.device, non_blocking=cuda)
         return x, y
@@ -277,15 +275,17 @@ class DataLoader:
 
 # ---- The evaluation's tokens, cut as the authors' loaders cut them (eval.py scores them)
 def protocol_chunks(files, tokenizer, seq_len, n_tokens, ranks, batch, rank=0, world=1):
-    """(this process's share of the chunks, chunks requested): the validation chunks an evaluation
-    on `ranks` processes at device batch `batch` scores, as the authors' loader cuts them. Simulated
-    rank r streams its own row groups (DataLoader), cut into (x, y) chunks of batch * seq_len
-    + 1 tokens, and scores the first n_tokens // (ranks * batch * seq_len) of them, or all of them
-    if its row groups end sooner (never a second pass). The ranks' chunks, in order, are shared among
-    the `world` processes in contiguous runs: any split gives the same sums."""
+    """(this process's share of the chunks, chunks requested): the validation chunks an
+    evaluation on `ranks` processes at device batch `batch` scores, as the authors' loader cuts
+    them. Simulated rank r streams its own row groups (DataLoader), cut into (x, y) chunks of
+    batch * seq_len + 1 tokens, and scores the first n_tokens // (ranks * batch * seq_len) of
+    them, or all of them if its row groups end sooner (never a second pass). The ranks' chunks,
+    in order, are shared among the `world` processes in contiguous runs: any split gives the
+    same sums."""
     steps = max(1, n_tokens // (ranks * batch * seq_len))
     per = -(-ranks * steps // world)
-    first, last = rank * per, min(ranks * steps, (rank + 1) * per)  # this process's chunks [first, last)
+    # this process's chunks [first, last)
+    first, last = rank * per, min(ranks * steps, (rank + 1) * per)
     chunks = []
     for r in range(first // steps, -(-last // steps)) if first < last else ():
         stream = DataLoader(files, tokenizer, batch, seq_len, r, ranks, cycle=False)
@@ -311,6 +311,6 @@ def wiki_windows(tokenizer, rows, seq_len, batch):
     ids = [t for row in tokenizer.encode_batch(rows) for t in [tokenizer.bos_id] + row]
     n = (len(ids) - 1) // (batch * seq_len) * batch
     if n == 0:
-        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one chunk of {batch} x sequence_len + 1 = "
-                         f"{batch * seq_len + 1}")
+        raise ValueError(f"WikiText: {len(ids)} tokens, fewer than one chunk of {batch} x "
+                         f"sequence_len + 1 = {batch * seq_len + 1}")
     return [ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]
