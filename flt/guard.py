@@ -1,0 +1,122 @@
+"""The duties of a real run, kept out of train.py's loop, where each is one call: the preemption
+signal and its requeue exit, time-based checkpoints, the last good checkpoint, a full disk, a
+non-finite step, divergence; and, when the requeued job starts again, where it resumes.
+
+    guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, ...)
+    summed |= guard.flags()                 # this rank's signal and clock, for the all-reduce
+    guard.check(step, host, loss, grad_norm)  # what the ranks agreed; a non-finite value stops them
+    if ... or guard.save_due: guard.save(step)  # a full disk stops every rank, one message
+    guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues
+    guard.watch_divergence(step, loss)      # the smoothed loss far above its minimum: exit 3
+
+Every rank takes the same decision at the same step: the flags are summed by the all-reduce the
+step runs anyway, so one signalled rank (or one node's faster clock) is enough for all of them, and
+every stop names the last good checkpoint. docs/operations.md has the exit codes and the requeue.
+"""
+import math
+
+import torch
+
+from flt import checkpoint, cluster, diagnostics, planning, runtime
+from flt.runtime import print0
+
+
+class Guard:
+    """The run's operational state: the signal handler (installed when the Guard is made), the
+    save clock, the last good checkpoint, and the divergence monitor (saved with each checkpoint:
+    `monitor`). save(step) -> the checkpoint's path is train.py's: what a checkpoint holds."""
+
+    def __init__(self, rt, log, save, last_good=None, monitor=diagnostics.NEW_MONITOR,
+                 save_interval_minutes=0.0, divergence_window=0, divergence_nats=1.0):
+        self.rt, self.log, self.write = rt, log, save
+        self.last_good = last_good  # the checkpoint a failed run points back to
+        self.monitor = monitor
+        self.window = divergence_window
+        self.nats = divergence_nats
+        # SIGTERM / SIGUSR1 end the run at the next step's end, with a checkpoint; so may a clock
+        self.preemption = cluster.Preemption()
+        self.clock = cluster.Clock(save_interval_minutes)
+        # what the ranks agreed at the last step
+        self.preempted = False
+        self.clock_due = False
+
+    @property
+    def save_due(self):
+        """A checkpoint the ranks agreed on at the last step: the clock's, or a preemption's."""
+        return self.clock_due or self.preempted
+
+    def flags(self):
+        """{name: 0-d tensor}: this rank's signal and clock, for the step's all-reduce to sum (no
+        host copy): any rank's 1 makes every rank's sum positive."""
+        mine = {"preempted": self.preemption.requested, "save_due": self.clock.due()}
+        device = self.rt.device
+        return {name: torch.full((), float(flag), device=device) for name, flag in mine.items()}
+
+    def check(self, step, host, loss, grad_norm):
+        """After the step's one host read (host: the summed flags and "resid", the largest residual
+        norm): take what the ranks agreed, and stop every rank before the optimizer step if the
+        loss, the gradient norm or the residual norm is not finite (an overflowed stream can give a
+        finite, useless loss, so the residual norm is checked too)."""
+        self.preempted = host["preempted"] > 0
+        self.clock_due = host["save_due"] > 0
+        if not all(map(math.isfinite, (loss, grad_norm, host["resid"]))):
+            self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
+            self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "
+                      f"{host['resid']}: not finite; stopped before the optimizer step, so the "
+                      "parameters were not updated", 1)
+
+    def save(self, step):
+        """train.py's checkpoint of this step, which becomes the last good one; the save clock
+        starts again. Too little disk (or a disk that filled while written): every rank stops with
+        one message, the earlier checkpoints untouched."""
+        self.clock.reset()
+        try:
+            self.last_good = self.write(step)
+        except runtime.DiskSpaceError as e:
+            self.fail(f"step {step}: {e}; the earlier checkpoints are untouched", 1)
+
+    def leave_if_preempted(self, step, last_step):
+        """After a preemption's checkpoint: exit PREEMPTED, for the job script to requeue the same
+        command with --resume=auto. At the last step the checkpoint is the run: it finishes."""
+        if self.preempted and not last_step:
+            signal = self.preemption.signal
+            self.log.write({"step": step, "preempted": signal or "another rank",
+                            "checkpoint": self.last_good})
+            runtime.stop(self.rt, f"preempted ({signal or 'signal on another rank'}): saved "
+                         f"{self.last_good}; exit {cluster.PREEMPTED}: requeue with --resume=auto",
+                         cluster.PREEMPTED)
+
+    def watch_divergence(self, step, loss):
+        """One more step's loss into the monitor; a stop (exit 3) once the smoothed loss has been
+        more than divergence_nats above its running minimum for divergence_window steps in a row
+        (0: never)."""
+        self.monitor = diagnostics.divergence(self.monitor, loss, self.nats)
+        if self.window and self.monitor["above"] >= self.window:
+            self.log.write({"step": step, "diverged": True, "loss": loss})
+            self.fail(diagnostics.diverged(step, self.monitor, self.nats, self.window), 3)
+
+    def fail(self, message, code):
+        """Every rank stops (they all saw the same numbers), naming the checkpoint to go back to."""
+        runtime.stop(self.rt, f"{message}. Last good checkpoint: {self.last_good or 'none yet'}",
+                     code)
+
+
+def resume_point(rt, out_dir, resume, settings, num_steps):
+    """(step_dir, meta) of the newest readable checkpoint in out_dir (load_newest) if the run
+    resumes (resume=True, or "auto" and out_dir holds a checkpoint), else (None, None). A resumed
+    run's settings may differ only in planning.RESUMABLE; one already at num_steps has nothing to
+    do (exit 0; past it, exit 2); newer unreadable checkpoints are set aside (rank 0), so that
+    they do not outrank the ones this run writes."""
+    if not (resume is True or (resume == "auto" and checkpoint.list_checkpoints(out_dir))):
+        return None, None
+    path, meta = checkpoint.load_newest(out_dir, rt.device, rank_files=True, log=print0)
+    step = meta["step"]
+    changed = planning.resume_changes(meta["settings"], settings, path)
+    if step >= num_steps:
+        runtime.stop(rt, f"--resume: {path} is at step {step} and num_steps={num_steps}: nothing "
+                     "to do (raise --num_steps to train further); checkpoints untouched",
+                     0 if step == num_steps else 2)
+    print0(f"resuming from {path} (step {step}); settings changed: {', '.join(changed)}")
+    if rt.master:
+        checkpoint.set_aside_newer(out_dir, step, log=print0)
+    return path, meta
