@@ -1,0 +1,46 @@
+"""train.py's data and tokenizer: the vocabulary the model is sized for, the shards, and the
+tokenizer, chosen here and nowhere else.
+
+    vocab_size = inputs.vocab_size(settings)   # before the horizon
+    shards = inputs.shards(settings, tokens)   # validation last
+    tok = inputs.tokenizer(settings, shards[:-1])   # the training shards
+
+The order is the recipe's: the vocabulary sizes the model, the model's size sets the horizon, and
+the horizon sets how many FineWeb shards to fetch (num_shards=-1). So vocab_size comes first: it
+builds the embedded corpus and trains its BPE (cached: tokenizer() then loads it), or loads a
+named tokenizer; a BPE still to be trained on FineWeb's shards will have bpe_vocab_size ids. Under
+dry_run it reads the size from the settings alone (planning.planned_vocab): nothing is built or
+fetched. Every rank calls these before the process group exists (a download of many GB would
+outlast a collective's timeout); file locks make one process do each piece of work.
+"""
+import os
+
+import data
+from flt import corpus, planning
+
+
+def vocab_size(s):
+    """The tokenizer's vocabulary size, before the shards are known (see the module's docstring)."""
+    bpe = s["tokenizer"] == "bpe"
+    if s["dry_run"] or (bpe and s["dataset"] == "fineweb"):
+        return planning.planned_vocab(s)
+    train_files = corpus.embedded_corpus(s["data_dir"])[:-1] if bpe else None
+    return tokenizer(s, train_files).vocab_size
+
+
+def shards(s, tokens):
+    """The shard paths, the validation shard last: the embedded corpus (built once, cached in
+    data_dir), or the FineWeb-Edu shards that `tokens` training tokens need (num_shards)."""
+    if s["dataset"] == "embedded":
+        return corpus.embedded_corpus(s["data_dir"])
+    return corpus.download_shards(planning.training_shards(s, tokens), s["data_dir"])
+
+
+def tokenizer(s, train_files):
+    """The run's tokenizer: tokenizer="bpe" is a byte-level BPE of bpe_vocab_size ids trained on
+    train_files (the training shards), once, and cached beside them; any other value is a
+    tokenizer.json path or a hub name (downloaded into data_dir)."""
+    if s["tokenizer"] != "bpe":
+        return data.load_tokenizer(s["tokenizer"], cache_dir=s["data_dir"], bos=s["bos_token"])
+    return data.get_tokenizer("bpe", os.path.dirname(train_files[0]), train_files,
+                              s["bpe_vocab_size"], bos=s["bos_token"])
