@@ -8,12 +8,14 @@
     record |= diagnostics.norm_record(host["own"], watched, 1.0)  # grad_<module>_clipped
     monitor = diagnostics.divergence(monitor, loss, nats)      # the smoothed loss against its minimum
     log = diagnostics.Log(out_dir, settings)                   # settings.json, then log.jsonl line by line
+    timer = diagnostics.StepTimer()  # lap(): a step's seconds, less pause() .. resume()
 """
 import collections
 import contextlib
 import json
 import math
 import os
+import time
 
 import torch
 
@@ -114,6 +116,30 @@ def diverged(step, monitor, nats, window):
     return (f"step {step}: diverged: the smoothed loss {monitor['ema']:.3f} has been more than divergence_nats="
             f"{nats} above its minimum {monitor['best']:.3f} for {monitor['above']} steps "
             f"(divergence_window={window})")
+
+
+class StepTimer:
+    """The seconds of a training step, without its evaluations and checkpoints: lap() is called
+    right after the step's one host read (on a GPU the one wait, so no torch.cuda.synchronize), and
+    returns the time since the last lap() less the time spent between pause() and resume()."""
+
+    def __init__(self):
+        self.last = time.time()
+        self.paused_at = None
+        self.paused = 0.0  # seconds paused since the last lap
+
+    def pause(self):
+        self.paused_at = time.time()
+
+    def resume(self):
+        self.paused += time.time() - self.paused_at
+
+    def lap(self):
+        now = time.time()
+        seconds = now - self.last - self.paused
+        self.last = now
+        self.paused = 0.0
+        return seconds
 
 
 class Log:

@@ -1,6 +1,6 @@
 """diagnostics.py: which modules train.py's logged gradient norms come from and what they measure
 (recomputed here from a model's gradients, selected by parameter name), the divergence monitor
-by hand, and the log files."""
+by hand, a step's time, and the log files."""
 import json
 import math
 
@@ -73,6 +73,19 @@ def test_divergence_monitor_by_hand():
     assert seen == [(4.0, 4.0, 0), (3.9, 3.9, 0), (3.81, 3.81, 0), (4.229, 3.81, 0), (4.6061, 3.81, 0),
                     (4.94549, 3.81, 1), (4.650941, 3.81, 0)]
     assert diagnostics.NEW_MONITOR == {"ema": None, "best": math.inf, "above": 0}  # never modified
+
+
+def test_step_time_leaves_out_what_is_paused(monkeypatch):
+    """Evaluations and checkpoints (between pause() and resume()) are not a training step's time."""
+    clock = iter([100.0, 101.0, 104.0, 105.5, 106.0, 107.0, 109.0])
+    monkeypatch.setattr(diagnostics.time, "time", lambda: next(clock))
+    timer = diagnostics.StepTimer()  # 100
+    timer.pause()  # 101
+    timer.resume()  # 104: 3 s paused
+    assert timer.lap() == 105.5 - 100.0 - 3.0
+    timer.pause()  # 106
+    timer.resume()  # 107: 1 s paused, since the last lap only
+    assert timer.lap() == 109.0 - 105.5 - 1.0
 
 
 def test_log_writes_settings_then_one_line_per_record(tmp_path):
