@@ -1,9 +1,9 @@
 """Support for train.py and eval.py: where this process runs, its numerics, and small shared chores.
 
     rt = runtime.setup(device)        # torchrun's rank/world, the device (errors name the setting or the torch)
-    runtime.init_group(rt, timeout)   # the process group, once data is prepared (train.py)
+    runtime.init_group(rt, timeout)   # the process group (eval.py; train.py writes it out)
     dtype = runtime.resolve_dtype(dtype, rt.device_type)   # "auto" = bf16 on CUDA, fp32 elsewhere
-    autocast = runtime.precision(model, rt.device_type, dtype)
+    autocast = runtime.precision(model, rt.device_type, dtype)   # eval.py; train.py writes it out
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
     runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
@@ -156,10 +156,16 @@ def precision(model, device_type, dtype):
     token embedding in bf16 (as the authors' base_train.py) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
     The embedding's dtype is part of the function (x0 = norm(e) is rounded to it). CPU bf16 autocast is
     not CUDA's policy: CUDA runs model.norm (F.rms_norm) in fp32 and returns fp32, CPU returns bf16
-    (computed in fp32), so CPU and GPU logits differ slightly."""
-    bf16 = dtype_bytes(dtype) == 2
-    model.transformer.wte.to(torch.bfloat16 if bf16 else torch.float32)
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+    (computed in fp32), so CPU and GPU logits differ slightly. train.py writes the same two
+    lines itself (store_embedding, then torch.autocast), where a reader of the recipe sees them."""
+    store_embedding(model, dtype)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype_bytes(dtype) == 2)
+
+
+def store_embedding(model, dtype):
+    """The token embedding's storage dtype, part of the function the model computes: bf16 under
+    "bf16" (as the authors' base_train.py), else fp32."""
+    model.transformer.wte.to(torch.bfloat16 if dtype_bytes(dtype) == 2 else torch.float32)
 
 
 def temp_path(path):
