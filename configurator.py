@@ -8,46 +8,39 @@ import runpy
 
 from flt import usage
 
-SETTING_TYPES = (bool, int, float, str, type(None))
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def settings_of(namespace):
-    """The settings in a module namespace: public variables of simple types, not UPPERCASE constants
-    or names its file imports (eval.py's ROPE_SPAN is model.py's constant, not a setting)."""
+    """The settings in a module namespace: public variables of simple types, not UPPERCASE
+    constants or names its file imports (eval.py's ROPE_SPAN is model.py's, not a setting)."""
     theirs = usage.imported(namespace["__file__"]) if "__file__" in namespace else ()
     public = {k: v for k, v in namespace.items() if not k.startswith("_") and not k.isupper()}
-    return {k: v for k, v in public.items() if k not in theirs and type(v) in SETTING_TYPES}
-
-
-def _checked(key, value, default, source, words=()):
-    if type(value) is type(default) or (default is None and type(value) in SETTING_TYPES) or value in words:
-        return value
-    if type(default) is float and type(value) is int:
-        return float(value)
-    raise ValueError(f"{source}: setting {key!r} expects {type(default).__name__}, got {type(value).__name__} {value!r}")
+    return {k: v for k, v in public.items() if k not in theirs and type(v) in usage.SETTING_TYPES}
 
 
 def _parse(key, raw, default, source, words=()):
+    """The value of --key=raw: a string as written, a bool from its words, else a Python literal
+    of the default's type (usage.checked)."""
     if isinstance(default, str) or raw in words:
-        return raw                       # strings are taken as written: --loops=1,3,6
+        return raw  # strings are taken as written: --loops=1,3,6
     if isinstance(default, bool):
         if raw.lower() not in BOOLS:
-            raise ValueError(f"{source}: setting {key!r} expects {' or '.join(('a bool (true/false)',) + words)}, "
-                             f"got {raw!r}")
+            allowed = " or ".join(("a bool (true/false)",) + words)
+            raise ValueError(usage.expected(source, key, allowed, repr(raw)))
         return BOOLS[raw.lower()]
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        value = raw                      # a bare string: only a None default takes it (_checked)
-    return _checked(key, value, default, source)
+        value = raw  # a bare string: only a None default takes it (usage.checked)
+    return usage.checked(key, value, default, source)
 
 
 def configure(namespace, argv, source=None):
-    """Apply config files and --key=value flags from argv to the settings in namespace
-    (a script's globals()), in place. Returns the final settings as a dict. --help (or -h) prints
+    """Apply config files and --key=value flags from argv to the settings in namespace (a
+    script's globals()), in place; return the final settings as a dict. --help (or -h) prints
     the settings of the script `source` (default: namespace's __file__) and exits. A script's
-    `_WORDS = {key: (word, ...)}` lets a setting also take those strings (train.py: --resume=auto)."""
+    `_WORDS = {key: (word, ...)}` lets a setting also take those strings (--resume=auto)."""
     defaults, words = settings_of(namespace), namespace.get("_WORDS", {})
     usage.help_requested(argv, source or namespace.get("__file__"), defaults)  # prints, exits
     for arg in argv:
@@ -57,14 +50,16 @@ def configure(namespace, argv, source=None):
                 raise ValueError(usage.unknown(f"--{key}", key, defaults))
             if not sep and not isinstance(defaults[key], bool):
                 raise ValueError(f"--{key}: expected --{key}=value")
-            namespace[key] = _parse(key, raw, defaults[key], f"--{key}", words.get(key, ())) if sep else True
+            raw = raw if sep else "true"  # a bare --key sets a boolean
+            namespace[key] = _parse(key, raw, defaults[key], f"--{key}", words.get(key, ()))
         elif arg.endswith(".py"):
             theirs = usage.imported(arg)  # a missing file: a FileNotFoundError naming it
             for key, value in runpy.run_path(arg).items():  # not its builtins or imports
                 if not key.startswith("_") and key not in theirs:
                     if key not in defaults:
                         raise ValueError(usage.unknown(arg, key, defaults))
-                    namespace[key] = _checked(key, value, defaults[key], arg, words.get(key, ()))
+                    namespace[key] = usage.checked(key, value, defaults[key], arg,
+                                                   words.get(key, ()))
         else:
             raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")
     return settings_of({k: namespace[k] for k in defaults})

@@ -1,9 +1,12 @@
 """--help for the scripts whose module-level variables are their settings (train.py, eval.py,
 bench.py; configurator.py calls it): each setting with its default and its comment, as the file
 writes them, under the comment lines that group them. And what configurator.py asks of a script's
-file: the names it imports (not settings), and the error for a setting it does not have."""
+file: the names it imports (not settings), the values a setting takes, and the errors for a setting
+it does not have or a value it does not take."""
 import ast
 import difflib
+
+SETTING_TYPES = (bool, int, float, str, type(None))
 
 
 def imported(path):
@@ -20,6 +23,26 @@ def unknown(source, key, defaults):
     close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.7)
     hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"the settings: {', '.join(sorted(defaults))}"
     return f"{source}: unknown setting {key!r}; {hint} (--help lists them)"
+
+
+def checked(key, value, default, source, words=()):
+    """value, if a setting whose default is `default` takes it: a value of the default's type, one
+    of the setting's words, any setting type for a None default, an int for a float (as a float);
+    else a ValueError naming the key and its source (a config file or --key)."""
+    if type(value) is type(default) or value in words:
+        return value
+    if default is None and type(value) in SETTING_TYPES:
+        return value
+    if type(default) is float and type(value) is int:
+        return float(value)
+    got = f"{type(value).__name__} {value!r}"
+    raise ValueError(expected(source, key, type(default).__name__, got))
+
+
+def expected(source, key, allowed, got):
+    """The error message for a value the setting `key` does not take: what it takes (`allowed`), and
+    what it got, as the message shows it."""
+    return f"{source}: setting {key!r} expects {allowed}, got {got}"
 
 
 def help_requested(argv, path, defaults):
