@@ -211,5 +211,9 @@ def test_help_lists_every_setting_with_its_default_and_comment(script):
         assert sum(l.startswith("  --") for l in lines) == len(settings_of(namespace))
         assert "  --loops=3 " in p.stdout and "  --variant='FLT' " in p.stdout
         order = [l.split("=")[0].strip() for l in lines if l.startswith("  --")]
-        assert order.index("--out_dir") < order.index("--dataset") < order.index("--depth") < order.index("--seed")
-        assert lines[lines.index(next(l for l in lines if l.startswith("  --dataset"))) - 1] == "data"  # its group
+        # the paper's settings, the model's and the optimizers' first, the operational ones last
+        firsts = ["--variant", "--depth", "--matrix_lr", "--dataset", "--eval_interval", "--out_dir",
+                  "--device"]
+        assert sorted(firsts, key=order.index) == firsts
+        dataset = lines.index(next(l for l in lines if l.startswith("  --dataset")))
+        assert lines[dataset - 1] == "The data"  # its group

@@ -149,7 +149,7 @@ def test_core_during_training_on_two_nodes_with_their_own_data_dirs(tmp_path, ht
     url = f"http://127.0.0.1:{http_server.server_address[1]}/eval_bundle.zip"
     out, data_dirs = tmp_path / "shared", [str(tmp_path / f"node{n}_data") for n in (0, 1)]
     two_nodes([out, out], data_dirs, "--num_steps=2", "--core_interval=2", "--core_max_per_task=4",
-              script=runner(tmp_path, f"import eval; eval.bundle_url = {url!r}"))
+              script=runner(tmp_path, f"from flt import core; core.BUNDLE_URL = {url!r}"))
     assert [r["core"] for r in losses(out)[1] if "core" in r] != [] and len(http_server.requests) == 2
     for data_dir in data_dirs:  # each node's copy, whole
         assert files(os.path.join(data_dir, "eval_bundle")) == files(bundle)

@@ -289,7 +289,8 @@ def test_training_shards_cover_the_horizon(capsys):
 def test_resume_may_change_only_the_resumable_settings():
     saved = DEFAULTS | {"out_dir": "out/d3_flt_k3"}
     now = saved | dict(resume=True, eval_interval=7, num_steps=500, brand_new_setting=1)
-    assert planning.resume_changes(saved, now, "ckpt") == ["resume", "eval_interval", "num_steps"]
+    # in the saved order, train.py's: the optimizers' settings, evaluation's, the run directory's
+    assert planning.resume_changes(saved, now, "ckpt") == ["num_steps", "eval_interval", "resume"]
     assert planning.resume_changes(saved, saved, "ckpt") == []
     with pytest.raises(ValueError) as e:
         planning.resume_changes(saved, now | dict(loops=5, matrix_lr=0.1), "out/x/step_000004")

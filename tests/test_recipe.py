@@ -24,8 +24,8 @@ RUNNER = textwrap.dedent("""
     from flt import planning, runtime
     planning.peak_flops = lambda name: 1e12  # a made-up accelerator, so that the CPU logs an MFU
     sys.argv[0] = "train.py"
-    precision = runtime.precision  # where train.py sets the model's numerics: here float64 throughout
-    runtime.precision = lambda model, *args: (precision(model, *args), model.double())[0]
+    store = runtime.store_embedding  # where train.py sets the model's numerics: here float64 throughout
+    runtime.store_embedding = lambda model, *args: (store(model, *args), model.double())
     build_optimizers = optim.build_optimizers  # and Muon's Newton-Schulz (fp32 on CPU) too
     optim.build_optimizers = lambda *args, **kwargs: build_optimizers(*args, **kwargs | {"ns_dtype": torch.float64})
     calls = []
