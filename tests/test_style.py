@@ -1,0 +1,59 @@
+"""The tutorial files read as a tutorial: a linter's rules (ruff: lines within 100 characters, one
+statement per line, no lambda assigned to a name, no unused import or variable) and the budgets a
+reader feels (non-blank lines, the mean line length, comments above the code rather than beside
+it), measured here so that they cannot drift."""
+import ast
+import io
+import os
+import subprocess
+import sys
+import tokenize
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# non-blank lines a reader meets in each tutorial file, at most
+BUDGETS = {"model.py": 420, "train.py": 330, "optim.py": 330, "data.py": 280, "eval.py": 420,
+           "configurator.py": 60}
+RULES = "E501,E701,E702,E703,E731,F401,F811,F841"
+
+
+def test_the_tutorial_files_pass_the_linter():
+    files = [os.path.join(ROOT, name) for name in BUDGETS]
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated",
+                        "--line-length=100", f"--select={RULES}", "--output-format=concise", *files],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def right_comments(source):
+    """(code lines, code lines with a comment to their right), from Python's tokenizer."""
+    code, commented = set(), set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and tok.line[:tok.start[1]].strip():
+            commented.add(tok.start[0])
+        elif tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                              tokenize.DEDENT, tokenize.ENDMARKER):
+            code.add(tok.start[0])
+    return len(code), len(commented & code)
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_each_tutorial_file_keeps_its_budget(name):
+    with open(os.path.join(ROOT, name)) as f:
+        source = f.read()
+    lines = [line for line in source.splitlines() if line.strip()]
+    assert len(lines) <= BUDGETS[name]
+    assert sum(map(len, lines)) / len(lines) <= 62
+    code, commented = right_comments(source)
+    # the comment above the code it explains; a setting may keep a short one beside it (--help)
+    assert commented <= 0.15 * code, (commented, code)
+
+
+def test_the_gpt_class_stays_under_200_lines():
+    with open(os.path.join(ROOT, "model.py")) as f:
+        source = f.read()
+    gpt = next(node for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef) and node.name == "GPT")
+    body = source.splitlines()[gpt.lineno - 1:gpt.end_lineno]
+    assert len([line for line in body if line.strip()]) < 200
