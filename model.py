@@ -26,9 +26,11 @@ from torch.utils.checkpoint import checkpoint
 
 try:
     from flt.decoding import ExitRule, KVCache, attention_mask, check_inputs
+    from flt.decoding import check_draft, choose, draft_and_verify
 except ImportError:
     # a Hugging Face export (scripts/export_hf.py) has decoding.py beside model.py
     from .decoding import ExitRule, KVCache, attention_mask, check_inputs
+    from .decoding import check_draft, choose, draft_and_verify
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
@@ -269,16 +271,20 @@ class GPT(nn.Module):
             else:
                 nn.init.uniform_(p, -s, s)
 
-    def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None):
+    def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None,
+                    part=None):
         """The loop (Sec. 4), one body for all five variants. Returns Loops: the states
         [h(1), ..., h(K)] of one pass, h(t) = norm(stream after loop t), each a prediction point
         (`head`). kv_cache: decoding's KVCache, this call's tokens written at its pos.
         bptt_loops: backpropagate through the last bptt_loops loops only (None: every loop).
         exit_threshold: depth per token (ExitRule), at most K loops. A full forward with the
-        exit rule gets a KV cache of its own, so it computes what cached decoding computes."""
+        exit rule gets a KV cache of its own, so it computes what cached decoding computes.
+        part=(first, last, h): only loops first+1..last, from h = h(first), their states
+        returned; kv_cache holds the first loops of these tokens (draft decoding, decoding.py)."""
         K, (B, T) = self.loop_count(loops), idx.shape
         # the RoPE table's length, the cache's capacity and loops, bptt_loops: ValueErrors
         check_inputs(T, K, kv_cache, bptt_loops, self.cos.size(0), self.config.sequence_len)
+        first, last, h_first = (0, K, None) if part is None else part
         # the exit rule (Huginn's KL exit) keeps the keys/values of exited positions in a cache
         if exit_threshold is not None and kv_cache is None:
             kv_cache = KVCache(B, K, self.config, capacity=T)
@@ -304,8 +310,8 @@ class GPT(nn.Module):
                     x = block.forward(x, rope, h_prev, inject, cache)
             return x
 
-        for t in range(K):
-            h_prev = hs[-1] if hs else None
+        for t in range(first, last):
+            h_prev = hs[-1] if hs else h_first
             # truncated backprop (Huginn): the loops before the last bptt_loops are constants
             early = bptt_loops is not None and t < K - bptt_loops
             with torch.no_grad() if early else nullcontext():
@@ -355,11 +361,13 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
-                 exit_threshold=None, attention_mask=None, cache_slots=None):
+                 exit_threshold=None, attention_mask=None, cache_slots=None, draft_loops=None,
+                 draft_len=4):
         """Stream (B, 1) tokens with a KV cache: a prefill, then one token a step. cache_slots:
         its m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states).
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
-        batch."""
+        batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
+        all K (decoding.py): the same tokens, or at a temperature the same distribution."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
@@ -367,17 +375,17 @@ class GPT(nn.Module):
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)}: "
                              f"expected the prompt's {tuple(idx.shape)}")
         rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
+        if draft_loops is not None:
+            K = self.loop_count(loops)
+            check_draft(K, draft_loops, draft_len, cache_slots, exit_threshold)
+            for tokens in draft_and_verify(self, idx, max_new_tokens, K, draft_loops, draft_len,
+                                           temperature, top_k, rng, attention_mask):
+                yield from tokens.split(1, dim=1)
+            return
         cache = self.new_kv_cache(idx.size(0), loops, attention_mask, cache_slots)
         logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
         for step in range(max_new_tokens):
-            if temperature == 0:
-                token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
+            token = choose(logits, temperature, top_k, rng)
             yield token
             if step + 1 < max_new_tokens:
                 logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)

@@ -159,3 +159,114 @@ class ExitRule:
             hs += hs[-1:] * (K - t)
             return True
         return False
+
+
+# ---------------------------------------------------------------------------- drafting with fewer loops
+# Self-speculative decoding. Loop t reads only loops 1..t-1 and the cache's slots up to t, so the
+# first K_d loops of a K-loop forward are a K_d-loop forward, keys and values included: a token
+# is drafted with loops 1..K_d, and draft_len drafted tokens are verified at once by loops
+# K_d+1..K, continued from their h(K_d) (GPT.loop_states(part=...)). No loop runs twice.
+
+def token_probs(logits, temperature, top_k=None):
+    """The distribution a token is sampled from: softmax(logits / temperature), top_k kept."""
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return F.softmax(logits, dim=-1)
+
+
+def choose(logits, temperature, top_k, rng):
+    """The next token (B, 1) from (B, V) logits: the argmax at temperature 0, else a sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    return torch.multinomial(token_probs(logits, temperature, top_k), 1, generator=rng)
+
+
+def acceptance(p, q, draft):
+    """Speculative sampling's rule (Leviathan et al. 2023; Chen et al. 2023): a token drafted
+    from q is kept with probability min(1, p / q) at it, p the target distribution; (N,)."""
+    at = draft[:, None]
+    return (p.gather(-1, at) / q.gather(-1, at)).clamp(max=1)[:, 0]
+
+
+def residual(p, q):
+    """What a rejected draft is replaced by: max(0, p - q), normalised (p where p = q)."""
+    r = (p - q).clamp(min=0)
+    return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
+
+
+def accept(p, q, draft, rng):
+    """(kept (N,), token (N,)): each row's draft, or a sample of the residual where rejected.
+    The token is distributed as p, whatever q (tests/test_speculative.py enumerates it)."""
+    kept = torch.rand(draft.shape, generator=rng, device=draft.device) < acceptance(p, q, draft)
+    resampled = torch.multinomial(residual(p, q), 1, generator=rng)[:, 0]
+    return kept, torch.where(kept, draft, resampled)
+
+
+def check_draft(K, draft_loops, draft_len, cache_slots, exit_threshold):
+    """A ValueError naming the setting unless drafting with draft_loops of K loops can run."""
+    if not isinstance(draft_loops, int) or not 1 <= draft_loops < K:
+        raise ValueError(f"draft_loops={draft_loops!r}: expected an integer from 1 to "
+                         f"loops - 1 = {K - 1} (the draft runs fewer loops than K={K})")
+    if not isinstance(draft_len, int) or draft_len < 1:
+        raise ValueError(f"draft_len={draft_len!r}: expected an integer >= 1")
+    if cache_slots not in (None, K):
+        raise ValueError(f"draft_loops with cache_slots={cache_slots}: drafting needs the exact "
+                         f"cache (cache_slots={K}), where loop t's keys are loop t's own")
+    if exit_threshold is not None:
+        raise ValueError("draft_loops with exit_threshold: a token's depth is either drafted "
+                         "and verified, or chosen by the exit rule; use one of the two")
+
+
+def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temperature=0.0,
+                     top_k=None, rng=None, attention_mask=None, stats=None):
+    """Yield (B, n) tokens, n >= 1 per round, max_new_tokens in all: those of K-loop decoding
+    (greedy: the same tokens; sampling: the same distribution). A round drafts up to draft_len
+    tokens with loops 1..K_d, verifies them with loops K_d+1..K in one forward, keeps the
+    longest prefix every row confirms, and ends with the K-loop model's own token. The cache
+    is rewound past the rest: its entries there are overwritten before any query reads them.
+    stats (a dict): rounds, drafted and accepted tokens per row, and the cache."""
+    K_d, B = draft_loops, idx.size(0)
+    cache = model.new_kv_cache(B, K, attention_mask)
+    counts = {} if stats is None else stats
+    counts.update(rounds=0, drafted=0, accepted=0, cache=cache)
+    token = choose(model(idx, loops=K, kv_cache=cache)[:, -1], temperature, top_k, rng)
+    yield token
+    done = 1
+    while done < max_new_tokens:
+        start, n = cache.pos, min(draft_len, max_new_tokens - done)
+        # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
+        fed, states, drafts, q = [token], [], [], []
+        for i in range(n):
+            h = model.loop_states(fed[-1], K, cache, part=(0, K_d, None)).states[-1]
+            states.append(h)
+            logits = model.head(h)[:, -1]
+            drafts.append(choose(logits, temperature, top_k, rng))
+            if temperature:
+                q.append(token_probs(logits, temperature, top_k))
+            if i + 1 < n:
+                fed.append(drafts[-1])
+        # the verification: loops K_d+1..K of the n fed tokens in one forward, at their positions
+        cache.pos = start
+        h = model.loop_states(torch.cat(fed, 1), K, cache, part=(K_d, K, torch.cat(states, 1)))
+        logits = model.head(h.states[-1])
+        drafts = torch.cat(drafts, 1)
+        if temperature == 0:
+            tokens = logits.argmax(-1)
+            kept = tokens == drafts
+        else:
+            p = token_probs(logits, temperature, top_k).flatten(0, 1)
+            kept, tokens = accept(p, torch.stack(q, 1).flatten(0, 1), drafts.flatten(), rng)
+            kept, tokens = kept.view(B, n), tokens.view(B, n)
+        # every row keeps the prefix that all rows confirm, then the K-loop model's next token
+        confirmed = kept.int().cumprod(1).sum(1)
+        m = int(confirmed.min())
+        emitted = tokens[:, :min(m + 1, n)]
+        cache.pos = start + emitted.size(1)
+        token = emitted[:, -1:]
+        counts["rounds"] += 1
+        counts["drafted"] += n
+        counts["accepted"] += confirmed.float().mean().item()
+        done += emitted.size(1)
+        yield emitted

@@ -21,6 +21,7 @@ SHORT_RUN = ["tests/test_train.py::test_short_run_learns_logs_and_saves"]
 OPTIM = ["tests/test_optim.py"] + RECIPE
 MODEL = ["tests/test_model.py", "tests/test_variable_loops.py", "tests/test_padded_generate.py"]
 LOOP_CACHE = ["tests/test_loop_cache.py"]
+SPECULATIVE = ["tests/test_speculative.py"]
 
 # (file, the line's text, the slip, the tests that pin it)
 MUTANTS = [
@@ -135,6 +136,16 @@ MUTANTS = [
     ("flt/decoding.py", "1 <= self.cache_slots <= loops)", "1 <= self.cache_slots)", LOOP_CACHE),
     ("flt/decoding.py", "k_prev, v_prev = self.slot(loop - 1, layer, k)",
      "k_prev, v_prev = self.slot(loop, layer, k)", LOOP_CACHE),
+    # flt/decoding.py: drafting with fewer loops, verifying with all K
+    ("flt/decoding.py", "cache.pos = start + emitted.size(1)", "cache.pos = start + n", SPECULATIVE),
+    ("flt/decoding.py", "part=(K_d, K, torch.cat(states, 1))",
+     "part=(K_d - 1, K, torch.cat(states, 1))", SPECULATIVE),
+    ("flt/decoding.py", "(p.gather(-1, at) / q.gather(-1, at)).clamp(max=1)",
+     "(q.gather(-1, at) / p.gather(-1, at)).clamp(max=1)", SPECULATIVE),
+    ("flt/decoding.py", "emitted = tokens[:, :min(m + 1, n)]", "emitted = tokens[:, :n]",
+     SPECULATIVE),
+    ("model.py", "h_prev = hs[-1] if hs else h_first", "h_prev = hs[-1] if hs else None",
+     SPECULATIVE),
 ]
 
 
