@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-import data
 from configurator import settings_of
 from flt import core, corpus, errors, report, runtime
 from flt.checkpoint import load_model
@@ -67,6 +66,8 @@ wandb = False                   # also log the results to the run's W&B run
                                 # (train.py's wandb_project)
 seed = 42                       # sample mode: sampling seed when temperature > 0
 cache_slots = None              # sample mode: KV cache loop slots per layer, 1..K; None = K (exact)
+draft_loops = None              # sample mode: draft with K_d < K loops, verify with all K
+draft_len = 4                   # sample mode: tokens drafted a round (with draft_loops)
 out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
@@ -74,9 +75,6 @@ exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats
 MODES = ("bpb", "wiki", "core", "sample", "exit")
 # the two byte counts of a token: val_bpb (compared with the paper) and val_bpb_utf8
 BYTE_COUNTS = ("authors", "utf8")
-# until train.py takes these from their homes, data.py and flt/corpus.py
-protocol_chunks = data.protocol_chunks
-load_bundle = corpus.load_bundle
 
 
 # ----------------------------------------------------------------------------- the budget sweep

@@ -134,13 +134,18 @@ def sample_mode(c, ctx):
         progress, texts = progress_of(ctx, "sample", len(prompts), "samples"), {}
         for K, prompt in prompts:
             text = runtime.sample(ctx.model, ctx.tokenizer, prompt, c.sample_tokens, loops=K,
-                                  temperature=c.temperature, seed=c.seed, cache_slots=c.cache_slots)
+                                  temperature=c.temperature, seed=c.seed, cache_slots=c.cache_slots,
+                                  draft_loops=c.draft_loops, draft_len=c.draft_len)
             texts.setdefault(K, []).append(text)
             progress()
         print0("\n".join(runtime.framed(f"sample at K={K}", x) for K in texts for x in texts[K]))
         return {K: {"samples": t} for K, t in texts.items()}, {}
+    cache = "exact" if c.cache_slots is None else f"{c.cache_slots} loop slot(s) a layer"
+    drafts = "" if c.draft_loops is None else (f", drafting {c.draft_len} tokens a round with "
+                                               f"{c.draft_loops} loops, verified with all K")
     return (f"{len(SAMPLE_PROMPTS)} prompts x {c.sample_tokens} tokens at each K in {ctx.loops}, "
-            "cached decoding", sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)
+            f"cached decoding ({cache} cache{drafts})",
+            sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)
 
 
 PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample_mode,

@@ -790,6 +790,21 @@ def test_sample_mode_decodes_with_cache_slots(tmp_path, monkeypatch):
                                               cache_slots=1)
 
 
+def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, capsys):
+    """--draft_loops: self-speculative decoding (model.generate(draft_loops=...)), greedy, so the
+    samples are those of K-loop decoding; the plan line says so. A bad draft is refused by name."""
+    save_checkpoint(tmp_path)
+    args = [str(tmp_path / "run"), "--device=cpu", "--loops=3,2", "--modes=sample", "--sample_tokens=6",
+            f"--out={tmp_path / 'eval.json'}"]
+    exact = ev.main(args)
+    drafted = ev.main(args + ["--draft_loops=1", "--draft_len=3"])
+    assert drafted == exact and "drafting 3 tokens a round with 1 loops" in capsys.readouterr().out
+    for bad, message in ((["--draft_loops=2"], "expected an integer from 1 to 1"),
+                         (["--draft_loops=1", "--draft_len=0"], "drafting needs draft_len >= 1")):
+        with pytest.raises(ValueError, match=message):
+            ev.main(args + bad)
+
+
 class Stop(Exception):
     pass
 
