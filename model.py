@@ -41,12 +41,12 @@ ROPE_SPAN = 10
 
 @dataclass
 class GPTConfig:
-    """The model's shape and its loop. vocab_size: Qwen3's 151643 BPE ids + <|endoftext|>,
-    padded to a multiple of 64. n_layer: L unique blocks; n_kv_head < n_head: GQA.
-    loops: K, which forward(loops=...) overrides per call. attn: full or mla (latent rank
-    kv_rank). window_pattern: L = full causal, S = a window of sequence_len // 4, tiled over
-    the layers. loss_all_loops: train on the mean loss of every loop, not only the last.
-    checkpoint_loops: recompute each loop in backward (memory ~ one loop)."""
+    """The model's shape and its loop. vocab_size: the tokenizer's (the paper's Qwen3: 151,669;
+    the CPU BPE: 4096), padded to a multiple of 64. n_layer: L unique blocks; n_kv_head <
+    n_head: GQA. loops: K, which forward(loops=...) overrides per call. attn: full or mla
+    (latent rank kv_rank). window_pattern: L = full causal, S = a window of sequence_len // 4,
+    tiled over the layers. loss_all_loops: train on the mean loss of every loop, not only the
+    last. checkpoint_loops: recompute each loop in backward (memory ~ one loop)."""
     sequence_len: int = 1024
     vocab_size: int = 151644
     n_layer: int = 12
@@ -310,6 +310,7 @@ class GPT(nn.Module):
                     x = block.forward(x, rope, h_prev, inject, cache)
             return x
 
+        # t counts from 0: t = 0 is the paper's loop 1
         for t in range(first, last):
             h_prev = hs[-1] if hs else h_first
             # truncated backprop (Huginn): the loops before the last bptt_loops are constants
@@ -415,6 +416,7 @@ class GPT(nn.Module):
         G = K if bptt_loops is None else min(K, bptt_loops)
         block = sum(p.numel() for p in self.transformer.h.parameters())
         head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
+        # attention scores, forward and backward (nanochat's 12 d T); a third for forward only
         attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
         # in forward passes: G loops forward and backward, K - G forward only
         return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))

@@ -310,7 +310,7 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The one all-reduce (gradients, loss, largest residual norm, the guard's flags), the one read
+    # The one all-reduce (gradients, loss, a residual norm checked finite, guard flags), one read
     own = diagnostics.own_gradient_norms(model, watched) if master and log_clipped_norms else None
     summed = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, summed = reduce_gradients(optimizers, summed)

@@ -12,6 +12,8 @@ Speed and memory checks, measured side by side in one run.
     python -m scripts.bench --mode=hf         # transformers' generate on an exported folder vs model.generate
     python -m scripts.bench --mode=cache --run=out/d3_flt_k3,out/d3_lt_k3 --plot=loop_cache.png --baseline=d88e2bf
         # the loop cache (cache_slots = m of K): bytes, bpb price, greedy agreement, tokens/s per m
+    python -m scripts.bench --mode=speculative --run=out/d3_flt_k3,out/d3_lt_k3 --plot=spec.png
+        # self-speculative decoding (draft with K_d loops, verify with K): tok/s, acceptance
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
@@ -43,7 +45,7 @@ from flt.errors import user_errors
 from flt.runtime import precision, resolve_dtype, setup
 from optim import build_optimizers, clip_coefficient, reduce_gradients
 
-mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf | cache (memory_step: a memory run)
+mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf | cache | speculative
 device = "cpu"              # cpu | cuda | cuda:N | mps; empty = cuda if there is one, else cpu
 depth = 4
 sequence_len = 256
@@ -64,8 +66,8 @@ steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader, lmeval and hf modes: the embedded corpus
 run = ""                    # hf mode: a run's out_dir or step dir; "" = a fresh FLT of this depth, saved and exported
                             # cache mode: comma-separated runs; "" = the quick start's out/d3_flt_k3
-plot = ""                   # cache mode: a PNG of the bpb price against the memory ratio, one line per run
-baseline = ""               # cache mode: a git commit whose model.py's default decoding is timed beside this one's
+plot = ""                   # cache, speculative modes: a PNG (the price against memory; the speed-up)
+baseline = ""               # cache, speculative modes: a git commit whose default decoding is timed beside
 seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
 with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1, no traceback
@@ -445,18 +447,28 @@ def agreement(tokens, exact):
     return (before.double() / same.size(1)).mean().item(), same.double().mean().item()
 
 
+def validation_run(path):
+    """(model in eval mode, meta, x, y, tokenizer, shard): a run and the first CACHE_SEQS whole
+    validation sequences of its stream (x: inputs, y: targets), as eval.py's loader cuts them."""
+    from flt import checkpoint
+    model, meta = checkpoint.load_model(path, device, log=lambda *args: None)
+    model.eval()
+    settings, T = meta.get("settings", {}), model.config.sequence_len
+    tok = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),
+                              bos=settings.get("bos_token", data.BOS))
+    shard = corpus.val_shard(settings, settings.get("data_dir", data_dir))
+    chunks, _ = data.protocol_chunks([shard], tok, T, CACHE_SEQS * T, 1, 1)
+    x, y = (torch.cat(z).to(device) for z in zip(*chunks))
+    return model, meta, x, y, tok, shard
+
+
 def loop_cache_rows(path):
     """One run's rows of the cache table: {K: {m: row}} at its trained K and at K' = 2K."""
     from flt import checkpoint
     from scripts.plot import run_name
-    model, meta = checkpoint.load_model(path, device, log=lambda *args: None)
-    model.eval()
+    model, meta, x, y, tok, shard = validation_run(path)
     autocast = precision(model, rt.device_type, dtype)
-    settings, T = meta.get("settings", {}), model.config.sequence_len
-    tok = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"), bos=settings.get("bos_token", data.BOS))
-    shard = corpus.val_shard(settings, settings.get("data_dir", data_dir))
-    chunks, _ = data.protocol_chunks([shard], tok, T, CACHE_SEQS * T, 1, 1)
-    x, y = (torch.cat(z).to(device) for z in zip(*chunks))
+    T = model.config.sequence_len
     token_bytes = tok.token_bytes("authors").to(device)[y.clamp(min=0)] * (y >= 0)
     scored, denominator = token_bytes > 0, math.log(2) * token_bytes.sum().item()
     prompts, name = x[:, :PROMPT_TOKENS], run_name(path)
@@ -576,9 +588,106 @@ def cache():
         default_decoding(runs[0])
 
 
+# speculative mode: (draft loops K_d, draft length) of the grid, at K = 3 and 6, batch 1 and 16
+DRAFTS = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]
+
+
+def speculative_rows(path):
+    """One run's rows: {(K, B): {(K_d, draft_len): row}}, greedy decoding of GEN tokens after
+    the first PROMPT_TOKENS of B validation sequences, exact against drafted, side by side."""
+    from flt.decoding import draft_and_verify
+    from scripts.plot import run_name
+    model, meta, x, _, _, shard = validation_run(path)
+    autocast = precision(model, rt.device_type, dtype)
+    name, rows = run_name(path), {}
+    print(f"{name} ({meta['path']}): prompts = the first {PROMPT_TOKENS} tokens of the first "
+          f"validation sequences of {shard}; {GEN} greedy tokens each", flush=True)
+    for K in (3, 6):
+        for B in (1, CACHE_SEQS):
+            prompts = x[:B, :PROMPT_TOKENS]
+
+            def decode(draft_loops=None, draft_len=4):
+                with torch.no_grad(), autocast:
+                    return torch.cat(list(model.generate(
+                        prompts, GEN, temperature=0, loops=K, draft_loops=draft_loops,
+                        draft_len=draft_len)), 1)
+            cells = [(None, 4)] + DRAFTS
+            times = {cell: [] for cell in cells}
+            # side by side: every cell once a round
+            for _ in range(repeats):
+                for cell in cells:
+                    times[cell].append(timed(lambda: decode(*cell)))
+            exact = decode()
+            base = statistics.median(times[None, 4])
+            rows[K, B] = {}
+            for draft_loops, draft_len in DRAFTS:
+                stats = {}
+                with torch.no_grad(), autocast:
+                    tokens = torch.cat(list(draft_and_verify(
+                        model, prompts, GEN, K, draft_loops, draft_len, stats=stats)), 1)
+                t = statistics.median(times[draft_loops, draft_len])
+                rows[K, B][draft_loops, draft_len] = dict(
+                    exact_tok_s=B * GEN / base, tok_s=B * GEN / t, speedup=base / t,
+                    accept=stats["accepted"] / stats["drafted"],
+                    per_round=(GEN - 1) / stats["rounds"], same=torch.equal(tokens, exact))
+            print(f"{name} K={K} B={B}: " + ", ".join(
+                f"K_d={d} g={g} x{r['speedup']:.2f}" for (d, g), r in rows[K, B].items()),
+                flush=True)
+    return types.SimpleNamespace(name=name, rows=rows)
+
+
+def speculative_table(results):
+    """The Markdown table of speculative_rows' results, a row per (run, K, B, K_d, g)."""
+    lines = ["| run | K | batch | K_d | g | exact tok/s | drafted tok/s | speed-up | "
+             "drafts accepted | tokens a round | identical |", "|---" * 11 + "|"]
+    for r in results:
+        for (K, B), cells in r.rows.items():
+            for (d, g), row in cells.items():
+                lines.append(f"| {r.name} | {K} | {B} | {d} | {g} | {row['exact_tok_s']:,.0f} | "
+                             f"{row['tok_s']:,.0f} | {row['speedup']:.2f} | {row['accept']:.2f} | "
+                             f"{row['per_round']:.2f} | {'yes' if row['same'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def speculative_plot(results, out):
+    """Speed-up against the draft length at batch 1, a panel per K, a line per run and K_d."""
+    from scripts.plot import pyplot, save
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, K in zip(axes, (3, 6)):
+        for i, r in enumerate(results):
+            for d, style in ((1, "o-"), (2, "s--")):
+                points = sorted((g, row["speedup"]) for (kd, g), row in r.rows[K, 1].items()
+                                if kd == d)
+                ax.plot(*zip(*points), style, color=f"C{i}", label=f"{r.name}, K_d={d}")
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set(title=f"K = {K}, batch 1 ({device})", xlabel="draft length g", xticks=[2, 4, 8])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tok/s drafted / tok/s exact (same tokens)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save(fig, out)
+
+
+def speculative():
+    """Self-speculative decoding (generate(draft_loops=K_d, draft_len=g)) on each run of `run`:
+    for K in {3, 6}, batch 1 and CACHE_SEQS, every (K_d, g) of DRAFTS against exact K-loop
+    decoding: tokens/s side by side (every cell once a round, median of `repeats`), the share of
+    drafts accepted, tokens a round, and whether the tokens are identical. plot: the figure;
+    baseline: the default decode path against that commit's."""
+    runs = (run or "out/d3_flt_k3").split(",")
+    results = [speculative_rows(path) for path in runs]
+    print(f"\ndevice {device}, {dtype}; greedy, {GEN} tokens after {PROMPT_TOKENS}; tok/s: median "
+          f"of {repeats}, prefill included")
+    print(speculative_table(results))
+    if plot:
+        speculative_plot(results, plot)
+    if baseline:
+        default_decoding(runs[0])
+
+
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
-             "syncs": syncs, "lmeval": lmeval, "hf": hf, "cache": cache}
+             "syncs": syncs, "lmeval": lmeval, "hf": hf, "cache": cache, "speculative": speculative}
     with user_errors("scripts.bench"):  # a bad setting or input: one line and exit status 1
         if mode not in modes:
             raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
