@@ -188,11 +188,12 @@ def parse(argv, defaults, source, modes):
     if c.cache_slots is not None and "sample" not in run_modes:
         raise ValueError(f"--cache_slots={c.cache_slots!r}: only the sample mode decodes with the KV cache")
     check_cache_slots(c.cache_slots, loops_list, "--cache_slots")
-    if c.draft_loops is not None:
+    draft_loops = getattr(c, "draft_loops", None)
+    if draft_loops is not None:
         if "sample" not in run_modes:
-            raise ValueError(f"--draft_loops={c.draft_loops!r}: only the sample mode decodes")
-        if not isinstance(c.draft_loops, int) or not 1 <= c.draft_loops < min(loops_list):
-            raise ValueError(f"--draft_loops={c.draft_loops!r}: expected an integer from 1 to "
+            raise ValueError(f"--draft_loops={draft_loops!r}: only the sample mode decodes")
+        if not isinstance(draft_loops, int) or not 1 <= draft_loops < min(loops_list):
+            raise ValueError(f"--draft_loops={draft_loops!r}: expected an integer from 1 to "
                              f"{min(loops_list) - 1}, below the smallest loop budget K of "
                              f"{loops_list}")
         if c.draft_len < 1 or c.cache_slots is not None:

@@ -52,7 +52,7 @@ def test_unknown_mode_names_the_modes():
     p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 1 and "mode='nope': expected one of ['cache', 'hf', 'lmeval', 'loader', 'memory', 'memory_step', " \
-                                  "'ratios', 'syncs', 'train']" in p.stderr
+                                  "'ratios', 'speculative', 'syncs', 'train']" in p.stderr
 
 
 def test_lmeval_prints_the_quotient_of_a_sweep_and_five_passes(embedded):
