@@ -199,6 +199,12 @@ def parse(argv, defaults, source, modes):
         if c.draft_len < 1 or c.cache_slots is not None:
             raise ValueError(f"--draft_len={c.draft_len!r}, --cache_slots={c.cache_slots!r}: "
                              "drafting needs draft_len >= 1 and the exact cache")
+    # the inputs a mode reads, found before any model time is spent
+    given = [("--val_files", f) for f in str(getattr(c, "val_files", "") or "").split(",") if f]
+    given += [("--wiki_path", c.wiki_path)] if getattr(c, "wiki_path", "") else []
+    for key, path in given:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{key}={path}: no such file")
     for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
         if getattr(c, key) < 1:
             raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")

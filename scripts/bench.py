@@ -568,6 +568,24 @@ def default_decoding(path):
     print(f"default decode path: the same tokens as {baseline}'s: {same}; time ratio {r:.2f}")
 
 
+def checked_runs():
+    """`run`'s paths, with --plot's directory and --baseline's commit, each checked before any
+    measuring: a missing run, directory or revision is one line naming it."""
+    from flt import checkpoint
+    runs = (run or "out/d3_flt_k3").split(",")
+    for path in runs:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"--run: {path}: no such run directory")
+        checkpoint.candidates(path)
+    if plot and not os.path.isdir(os.path.dirname(os.path.abspath(plot))):
+        raise FileNotFoundError(f"--plot={plot}: no such directory {os.path.dirname(plot)!r}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if baseline and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{baseline}^{{commit}}"],
+                                   cwd=root, capture_output=True).returncode:
+        raise ValueError(f"--baseline={baseline}: no such git commit in {root}")
+    return runs
+
+
 def cache():
     """The loop cache's price (model.KVCache's cache_slots: m loop slots per layer) for each run of `run`:
     at its trained K for m in {1, 2, ceil(K/2), K} and at K' = 2K for every m, the cache's bytes per token
@@ -577,7 +595,7 @@ def cache():
     per-token differences; greedy agreement with exact decoding (GEN tokens after each of CACHE_SEQS
     prompts: the mean fraction before the first difference, and overall); decode tokens/s per m, timed
     side by side (every m once a round, median of `repeats`). plot: the figure; baseline: default_decoding."""
-    runs = (run or "out/d3_flt_k3").split(",")
+    runs = checked_runs()
     results = [loop_cache_rows(path) for path in runs]
     print(f"\ndevice {device}, {dtype}; price = bpb cached - bpb full forward; decode tok/s (prefill included): "
           f"median of {repeats}, every m once a round")
@@ -674,7 +692,7 @@ def speculative():
     decoding: tokens/s side by side (every cell once a round, median of `repeats`), the share of
     drafts accepted, tokens a round, and whether the tokens are identical. plot: the figure;
     baseline: the default decode path against that commit's."""
-    runs = (run or "out/d3_flt_k3").split(",")
+    runs = checked_runs()
     results = [speculative_rows(path) for path in runs]
     print(f"\ndevice {device}, {dtype}; greedy, {GEN} tokens after {PROMPT_TOKENS}; tok/s: median "
           f"of {repeats}, prefill included")

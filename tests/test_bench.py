@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import run_module
 from test_train import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,3 +81,22 @@ def test_hf_prints_the_quotient_of_transformers_generate_and_the_projects(monkey
     a, b, r = (float(m.group(i)) for i in (2, 3, 4))
     assert r == pytest.approx(a / b, abs=0.005 + 0.05 * (a + b) / b**2), row
     assert overhead == f"the transformers wrapper's generate takes {m.group(4)}x the time of the project's"
+
+
+def test_the_decoding_modes_check_runs_plot_and_baseline_before_measuring(tmp_path):
+    """--run (each of a list), --plot's directory and --baseline's commit: one line each, before
+    a model is loaded (nothing is measured, nothing written)."""
+    from test_eval import save_checkpoint
+    save_checkpoint(tmp_path)
+    good = str(tmp_path / "run")
+    before = sorted(os.listdir(tmp_path))
+    cases = {(f"--run={good},{tmp_path / 'nope'}",): f"--run: {tmp_path / 'nope'}: no such run",
+             (f"--run={tmp_path}",): "no checkpoint in",
+             (f"--run={good}", "--baseline=nosuchcommit"): "--baseline=nosuchcommit: no such git commit",
+             (f"--run={good}", f"--plot={tmp_path / 'no' / 'x.png'}"): "--plot=.*: no such directory"}
+    for mode in ("cache", "speculative"):
+        for argv, message in cases.items():
+            code, out, err = run_module("scripts.bench", f"--mode={mode}", *argv)
+            assert code == 1 and len(err.splitlines()) == 1 and re.search(message, err), (mode, err)
+            assert out == ""
+    assert sorted(os.listdir(tmp_path)) == before

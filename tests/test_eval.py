@@ -940,6 +940,9 @@ def test_default_settings_score_the_authors_eval_sh_tokens(tmp_path, monkeypatch
     save_checkpoint(tmp_path, seq_len=1024)
     monkeypatch.setattr(data, "DataLoader", LongSplit)
     LongSplit.made = []
+    # the shard's name as eval.sh gives it; LongSplit stands in for its contents
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shard_00249.parquet").touch()
 
     def stop(*args):
         raise Stop
@@ -1111,3 +1114,12 @@ def test_cuda_devices_with_and_without_an_index(monkeypatch, device, world, expe
         with pytest.raises(ValueError, match=re.escape(expected)):
             runtime.setup(device)
         assert chosen == []
+
+
+def test_missing_validation_or_wikitext_files_are_named_before_the_model_loads(tmp_path):
+    save_checkpoint(tmp_path)
+    run = str(tmp_path / "run")
+    for setting in ("--val_files", "--wiki_path"):
+        with pytest.raises(FileNotFoundError, match=rf"{setting}=nope.parquet: no such file"):
+            ev.main([run, "--device=cpu", f"{setting}=nope.parquet"])
+    assert not list((tmp_path / "run").rglob("eval.*"))
