@@ -343,6 +343,11 @@ _SYS_HOOKS = {n: getattr(sys, f"__{n}__") for n in ("excepthook", "displayhook",
                                                       "unraisablehook") if hasattr(sys, f"__{n}__")}
 
 
+def _stdlib(module_name):
+    """Whether a routine's __module__ is the standard library's (or unknown, as C methods')."""
+    return module_name is None or module_name.split(".")[0] in sys.stdlib_module_names
+
+
 def _module_doc(mod):
     """The module's docstring, then each public class/function it defines (and their methods);
     for sys, its hooks as Python started, so the corpus does not depend on the program building it."""
@@ -355,8 +360,11 @@ def _module_doc(mod):
         if doc := _doc(obj):
             parts.append(f"{name}\n{doc}")
         if inspect.isclass(obj):
+            # methods the class defines, not ones another library attached to it later
+            # (transformers adds Logger.info_once to logging's Logger)
             parts += [f"{name}.{m}\n{_doc(f)}" for m, f in sorted(vars(obj).items())
-                      if _public(m) and inspect.isroutine(f) and _doc(f)]
+                      if _public(m) and inspect.isroutine(f) and _doc(f)
+                      and _stdlib(getattr(f, "__module__", None))]
     return "\n\n".join(p for p in parts if p)
 
 

@@ -2,6 +2,7 @@
 internet), progress lines, manifests, FineWeb-Edu shards, and the evaluation inputs."""
 import contextlib
 import glob
+import logging
 import io
 import json
 import multiprocessing
@@ -40,6 +41,11 @@ def test_embedded_corpus_deterministic_cached_and_split(embedded, tmp_path, monk
     # the same bytes whatever the building program did to sys (train.py sets sys.excepthook)
     monkeypatch.setattr(sys, "excepthook", lambda *args: None)
     monkeypatch.setattr(sys, "displayhook", lambda *args: None)
+    # or what a library attached to a standard class (transformers: logging.Logger.info_once)
+
+    def info_once(self, *args):
+        """Another library's method, with a docstring."""
+    monkeypatch.setattr(logging.Logger, "info_once", info_once, raising=False)
     again = corpus.embedded_corpus(str(tmp_path))
     assert [os.path.basename(p) for p in embedded] == [os.path.basename(p) for p in again]
     for a, b in zip(embedded, again):
