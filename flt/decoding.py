@@ -261,12 +261,14 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
             kept, tokens = kept.view(B, n), tokens.view(B, n)
         # every row keeps the prefix that all rows confirm, then the K-loop model's next token
         confirmed = kept.int().cumprod(1).sum(1)
-        m = int(confirmed.min())
+        # the round's one host read: the prefix every row confirms, and the rows' mean (stats)
+        least, mean = torch.stack([confirmed.min().float(), confirmed.float().mean()]).tolist()
+        m = int(least)
         emitted = tokens[:, :min(m + 1, n)]
         cache.pos = start + emitted.size(1)
         token = emitted[:, -1:]
         counts["rounds"] += 1
         counts["drafted"] += n
-        counts["accepted"] += confirmed.float().mean().item()
+        counts["accepted"] += mean
         done += emitted.size(1)
         yield emitted

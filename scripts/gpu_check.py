@@ -356,9 +356,11 @@ def decode(work):
                     h = model.loop_states(seq, s["loops"]).states[-1][:, -1:]
                     seq = torch.cat([seq, model.head(h).argmax(-1)], dim=1)
             tokens["recompute"] = seq[:, prompt.size(1):]
-        # one warm-up call each, then the median of three
-        times = {name: timed(fn, 1) and timed(fn, 1 if tiny else 3)
-                 for name, fn in (("cached", cached), ("recompute", recompute))}
+        times = {}
+        for name, fn in (("cached", cached), ("recompute", recompute)):
+            # one warm-up call, then the median of three
+            fn()
+            times[name] = timed(fn, 1 if tiny else 3)
         same = (tokens["cached"] == tokens["recompute"]).float().mean().item()
         rows.append({"batch": batch, "loops": s["loops"], "new_tokens": s["new"],
                      "cached_tok_s": batch * s["new"] / times["cached"],
