@@ -74,9 +74,39 @@ def markdown(first, rows):
                    for i, row in enumerate(lines))
 
 
+def by_label(r):
+    """One K's results split by the label of the choices they were computed under (eval.py's keys
+    metric[label], flt/modes.py): {"": the default ones, "cache_slots=1": {"samples": ...}, ...}."""
+    groups = {}
+    for key, value in r.items():
+        name, _, tag = key.partition("[")
+        groups.setdefault(tag.removesuffix("]"), {})[name] = value
+    return dict(sorted(groups.items()))
+
+
 def table(results):
-    """eval.py's table ({K: results at K}): a row per K, a blank cell where a mode did not run."""
-    return markdown(["K"], [[K, *cells(values(r), "")] for K, r in results.items()])
+    """eval.py's table ({K: results at K}): a row per K and label (the default first) that has a
+    number of Table 1, a blank cell where a mode did not run."""
+    rows = []
+    for K, r in results.items():
+        for tag, group in by_label(r).items():
+            numbers = values(group)
+            if any(v is not None for v in numbers):
+                rows.append([f"{K} [{tag}]" if tag else K, *cells(numbers, "")])
+    return markdown(["K"], rows)
+
+
+def summary(results):
+    """What eval.py prints of an eval.json's results: the table, then a line naming the entries it
+    has no column for (samples, the exit curve, val_bpb_utf8, ...) and the Ks that hold them."""
+    shown = {key for _, key, *_ in COLUMNS} | {"tasks"}
+    other = {}
+    for K, r in results.items():
+        for key in r:
+            if key.partition("[")[0] not in shown:
+                other.setdefault(key, []).append(str(K))
+    line = "; ".join(f"{key} at K={','.join(Ks)}" for key, Ks in other.items())
+    return table(results) + (f"also held: {line}\n" if line else "")
 
 
 # ----------------------------------------------------------------------------- eval.json
@@ -205,11 +235,23 @@ def parse(argv, defaults, source, modes):
     for key, path in given:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{key}={path}: no such file")
-    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch"):
-        if getattr(c, key) < 1:
+    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch", "sample_tokens"):
+        if getattr(c, key, 1) < 1:
             raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
+    if getattr(c, "max_per_task", -1) == 0 or getattr(c, "max_per_task", -1) < -1:
+        raise ValueError(f"--max_per_task={c.max_per_task!r}: expected -1 (every item) or a positive count")
+    if getattr(c, "temperature", 0) < 0:
+        raise ValueError(f"--temperature={c.temperature!r}: expected 0 (greedy) or a positive number")
+    if draft_loops is None and getattr(c, "draft_len", 4) != defaults.get("draft_len", 4):
+        raise ValueError(f"--draft_len={c.draft_len!r} does nothing without --draft_loops: remove it, or draft")
+    out = getattr(c, "out", "")
+    if out and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out)))):
+        raise FileNotFoundError(f"--out={out}: expected a file in an existing directory")
     if getattr(c, "wandb", False):
         tracking.require("--wandb=True")  # installed? found before any model time is spent
+    if not os.path.isdir(argv[0]):
+        raise FileNotFoundError(f"{argv[0]}: no such checkpoint directory (a run's out_dir, a step_* directory "
+                                "or an exported folder)")
     return argv[0], c, [m for m in modes if m in run_modes], loops_list, thresholds
 
 

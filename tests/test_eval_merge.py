@@ -101,3 +101,18 @@ def test_an_eval_json_from_before_merging_is_one_run_of_it(tmp_path):
     doc = saved(path)
     assert doc["results"] == {"1": {"val_bpb": 1.5, "wiki_ppl": 30.0}, "3": {"val_bpb": 1.3}}
     assert doc["runs"][then] == {"settings": {"modes": "bpb,wiki"}, "measured": {"bpb": {"tokens": 7}}}
+
+
+def test_results_under_another_choice_sit_beside_the_default_ones(tmp_path):
+    """val bpb on fewer tokens than the protocol's (eval.py labels it val_bpb[bpb_tokens=512]) does not
+    replace the protocol's: eval.md gives it a row of its own, plot's table reads the default, and its
+    sweep may draw either by name."""
+    path = tmp_path / "eval.json"
+    run(path, "T1", {3: {"val_bpb": 1.4}}, "bpb")
+    doc = run(path, "T2", {3: {"val_bpb[bpb_tokens=512]": 1.5}}, "bpb", bpb_tokens=512)
+    assert doc["results"] == {"3": {"val_bpb": 1.4, "val_bpb[bpb_tokens=512]": 1.5}}
+    assert [line.split("|")[1:3] for line in (tmp_path / "eval.md").read_text().splitlines()[2:]] == [
+        [" 3 ", "  "], [" 3 [bpb_tokens=512] ", "  "]]
+    assert report.by_label(doc["results"]["3"]) == {"": {"val_bpb": 1.4}, "bpb_tokens=512": {"val_bpb": 1.5}}
+    assert report.values(plot.read_eval(str(path))[3])[1] == 1.4
+    assert plot.metrics(plot.read_eval(str(path))) == {"val_bpb", "val_bpb[bpb_tokens=512]"}

@@ -51,10 +51,11 @@ DEFAULTS = dict(modes="bpb", loops="1", exit_thresholds="", batch_size=8, bpb_to
 MODES = ("bpb", "wiki", "core", "sample", "exit")
 
 
-def test_parse_orders_modes_and_loops_and_names_bad_settings():
+def test_parse_orders_modes_and_loops_and_names_bad_settings(tmp_path):
+    run = str(tmp_path)
     ckpt, c, modes, loops, thresholds = report.parse(
-        ["out/run", "--modes=exit, bpb,exit", "--loops=6,1,6,3", "--exit_thresholds=0.1,0"], DEFAULTS, "eval.py", MODES)
-    assert (ckpt, modes, loops, thresholds, c.batch_size) == ("out/run", ["bpb", "exit"], [1, 3, 6], [0.1, 0.0], 8)
+        [run, "--modes=exit, bpb,exit", "--loops=6,1,6,3", "--exit_thresholds=0.1,0"], DEFAULTS, "eval.py", MODES)
+    assert (ckpt, modes, loops, thresholds, c.batch_size) == (run, ["bpb", "exit"], [1, 3, 6], [0.1, 0.0], 8)
     assert DEFAULTS["modes"] == "bpb"  # the defaults are not changed
     bad = {"--modes=bpb,ppl": "--modes='bpb,ppl': expected a comma-separated subset of bpb,wiki,core,sample,exit",
            "--loops=1,0": "--loops='1,0': expected comma-separated integers >= 1",
@@ -62,14 +63,17 @@ def test_parse_orders_modes_and_loops_and_names_bad_settings():
            "--batch_size=0": "--batch_size=0: expected a positive integer"}
     for arg, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
-            report.parse(["out/run", arg], DEFAULTS, "eval.py", MODES)
+            report.parse([run, arg], DEFAULTS, "eval.py", MODES)
     with pytest.raises(ValueError, match="usage: python eval.py <checkpoint dir>"):
         report.parse(["--loops=3"], DEFAULTS, "eval.py", MODES)
+    # the settings first, then the checkpoint: a missing one is named before any model loads
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{run}/nope: no such checkpoint directory")):
+        report.parse([f"{run}/nope"], DEFAULTS, "eval.py", MODES)
 
 
-def test_cache_slots_are_for_the_sample_mode_and_at_most_the_smallest_K():
+def test_cache_slots_are_for_the_sample_mode_and_at_most_the_smallest_K(tmp_path):
     """Sampling at each K of --loops decodes with cache_slots loop slots per layer (model.KVCache): 1 to K."""
-    assert report.parse(["out/run", "--modes=sample", "--loops=6,2", "--cache_slots=2"], DEFAULTS, "eval.py",
+    assert report.parse([str(tmp_path), "--modes=sample", "--loops=6,2", "--cache_slots=2"], DEFAULTS, "eval.py",
                         MODES)[1].cache_slots == 2
     bad = {("--modes=sample", "--loops=6,2", "--cache_slots=3"): "--cache_slots=3: expected an integer from 1 "
            "to 2, the smallest loop budget K of [2, 6]",
@@ -77,7 +81,7 @@ def test_cache_slots_are_for_the_sample_mode_and_at_most_the_smallest_K():
            ("--modes=bpb", "--cache_slots=1"): "--cache_slots=1: only the sample mode decodes with the KV cache"}
     for args, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
-            report.parse(["out/run", *args], DEFAULTS, "eval.py", MODES)
+            report.parse([str(tmp_path), *args], DEFAULTS, "eval.py", MODES)
 
 
 class Numerics:
@@ -143,7 +147,8 @@ def test_write_results_writes_eval_json_and_eval_md_beside_it():
     report.write_results("run/step_000010/eval.json", record, results, {"bpb": {"tokens": 7}},
                          write=written.__setitem__)
     md = "| K | Wiki2 ppl | val bpb | CORE | LMB | PIQA | Hella | OPQA | ARC-E | ARC-C | Avg |\n" + \
-         "|---|---|---|---|---|---|---|---|---|---|---|\n| 1 |  | 1.250 |" + "  |" * 8 + "\n| 3 |" + "  |" * 10 + "\n"
+         "|---|---|---|---|---|---|---|---|---|---|---|\n| 1 |  | 1.250 |" + "  |" * 8 + "\n"
+    # K = 3 holds no number of Table 1: no row
     assert written["run/step_000010/eval.md"] == md
     assert json.loads(written["run/step_000010/eval.json"]) == {
         "checkpoint": "run/step_000010", "step": 10, "results": {"1": {"val_bpb": 1.25}, "3": {}},
