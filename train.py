@@ -18,7 +18,7 @@ import data
 import eval as evaluation
 from configurator import configure
 from flt import checkpoint, cluster, core, corpus, diagnostics, errors, inputs, planning, runtime
-from flt import tracking
+from flt import tasks, tracking
 from flt.guard import Guard, resume_point
 from flt.runtime import print0
 from model import GPT, GPTConfig
@@ -39,8 +39,9 @@ loops_sampler = "fixed"     # fixed | uniform | lognormal_poisson
 loops_min = 1
 loops_max = -1              # uniform: the largest K; lognormal_poisson: a cap (-1 = none)
 bptt_loops = -1             # gradients through the last N loops only (-1 = all)
-# The backbone: d_model = 64 * depth, n_head = ceil(d_model / 128)
+# The backbone: d_model = aspect_ratio * depth, n_head = ceil(d_model / 128)
 depth = 3
+aspect_ratio = 64
 n_kv_head = -1              # -1 = n_head; fewer = GQA
 sequence_len = 256
 attn = "full"               # full | mla
@@ -59,8 +60,9 @@ warmdown_frac = 0.2
 momentum_warmup_steps = 300
 grad_clip = 1.0
 seed = 1337
-# The data
-dataset = "embedded"        # embedded (Python's own docs, no network) | fineweb
+# The data: text, or a reasoning task of flt/tasks.py (task_difficulty: its knob)
+dataset = "embedded"        # embedded (Python's docs, no network) | fineweb | s3 | s5 | chains
+task_difficulty = 8
 data_dir = "data"
 num_shards = corpus.AUTHORS_TRAIN_SHARDS  # fineweb's training shards; -1 = as the horizon needs
 tokenizer = "bpe"           # bpe (trained on the corpus) | a tokenizer.json | a hub name
@@ -125,11 +127,11 @@ grad_accum = total_batch_size // tokens_per_fwdbwd
 # fetched; --dry_run plans without one
 run_lock = checkpoint.claim_out_dir(out_dir, resume, overwrite) if master and not dry_run else None
 
-# The model's shape: the paper's backbone from one integer (nanochat's): 64 dimensions per layer,
-# heads of at most 128 dimensions, so a deeper model is a wider one too. The vocabulary is the
-# tokenizer's (flt/inputs.py builds the embedded corpus's BPE here; --dry_run builds nothing).
+# The model's shape from one integer (nanochat's): aspect_ratio (64) dimensions per layer, heads
+# of at most 128, so a deeper model is a wider one too; the vocabulary is the tokenizer's
+# (flt/inputs.py builds the embedded corpus's BPE here; --dry_run builds nothing).
 vocab_size = inputs.vocab_size(settings)
-n_embd = 64 * depth
+n_embd = aspect_ratio * depth
 n_head = math.ceil(n_embd / 128)
 kv_heads = n_head if n_kv_head == -1 else n_kv_head
 config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
@@ -190,11 +192,7 @@ config = model.config
 # bf16: the token embedding stored in bf16 (the authors' base_train.py), the matmuls autocast
 runtime.store_embedding(model, dtype)
 autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=dtype == "bf16")
-print0(f"{config.variant}, {config.loops} loops, {params['all']:,} parameters, "
-       f"{params['non_embedding']:,} without the embedding; {num_steps} steps of "
-       f"{total_batch_size:,} tokens = {num_steps * total_batch_size:,} tokens "
-       f"(horizon_params={horizon_params!r}); grad accumulation {grad_accum}; "
-       f"{model.estimate_flops():.3e} FLOPs/token; {device} x {world_size}")
+print0(planning.summary(model, params, settings, num_steps, grad_accum, device, world_size))
 
 # The optimizers (optim.py); a resumed rank restores its own state or, saved by another number of
 # ranks, every rank's (resharded), and the RNGs
@@ -212,9 +210,12 @@ if ckpt_path:
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)
 
-# The loader: this rank's batches, continued where the checkpoint left off
-loader = data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size,
-                         device, state=loader_state, prefetch=loader_prefetch)
+# The loader: this rank's batches, continued where the checkpoint left off; a synthetic task
+# (flt/tasks.py) generates its items from the seed
+task = tasks.get(settings)
+loader = task.loader(device_batch_size, rank, world_size, device, seed, loader_state) if task else \
+    data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
+                    state=loader_state, prefetch=loader_prefetch)
 resharded = ckpt_path and checkpoint.resharded(ckpt_path, step, len(rank_states), world_size,
                                                loader.skipped_documents, log=print0)
 # the modules whose gradient norms Figures 3 and 8 show
@@ -225,7 +226,9 @@ val_chunks = {}
 
 def validate(n_tokens):
     """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the
-    authors' loop)."""
+    authors' loop); a task's test items (each answer a one-byte symbol)."""
+    if task and n_tokens not in val_chunks:
+        val_chunks[n_tokens] = task.batches(n_tokens, device_batch_size, rank, world_size)
     if n_tokens not in val_chunks:
         val_chunks[n_tokens] = data.protocol_chunks(val_files, tok, sequence_len, n_tokens,
                                                     world_size, device_batch_size, rank,

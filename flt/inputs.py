@@ -16,13 +16,13 @@ outlast a collective's timeout); file locks make one process do each piece of wo
 import os
 
 import data
-from flt import corpus, planning
+from flt import corpus, planning, tasks
 
 
 def vocab_size(s):
     """The tokenizer's vocabulary size, before the shards are known (see the module's docstring)."""
     bpe = s["tokenizer"] == "bpe"
-    if s["dry_run"] or (bpe and s["dataset"] == "fineweb"):
+    if s["dry_run"] or s["dataset"] in tasks.TASKS or (bpe and s["dataset"] == "fineweb"):
         return planning.planned_vocab(s)
     train_files = corpus.embedded_corpus(s["data_dir"])[:-1] if bpe else None
     return tokenizer(s, train_files).vocab_size
@@ -31,6 +31,8 @@ def vocab_size(s):
 def shards(s, tokens):
     """The shard paths, the validation shard last: the embedded corpus (built once, cached in
     data_dir), or the FineWeb-Edu shards that `tokens` training tokens need (num_shards)."""
+    if s["dataset"] in tasks.TASKS:
+        return []
     if s["dataset"] == "embedded":
         return corpus.embedded_corpus(s["data_dir"])
     return corpus.download_shards(planning.training_shards(s, tokens), s["data_dir"])
@@ -40,6 +42,8 @@ def tokenizer(s, train_files):
     """The run's tokenizer: tokenizer="bpe" is a byte-level BPE of bpe_vocab_size ids trained on
     train_files (the training shards), once, and cached beside them; any other value is a
     tokenizer.json path or a hub name (downloaded into data_dir)."""
+    if s["dataset"] in tasks.TASKS:
+        return tasks.tokenizer(tasks.get(s))
     if s["tokenizer"] != "bpe":
         return data.load_tokenizer(s["tokenizer"], cache_dir=s["data_dir"], bos=s["bos_token"])
     return data.get_tokenizer("bpe", os.path.dirname(train_files[0]), train_files,

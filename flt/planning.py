@@ -14,6 +14,7 @@ import torch
 from flt import checkpoint
 from flt import corpus
 import data
+from flt import tasks
 from flt import tracking
 from model import ATTNS, VARIANTS
 from optim import LOOP_SAMPLERS
@@ -116,7 +117,7 @@ def check_settings(s, defaults):
         raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
                 "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
-                "core_max_per_task", "loader_prefetch", "loops"):
+                "core_max_per_task", "loader_prefetch", "loops", "aspect_ratio"):
         if s[key] < 1:
             bad(key, "a positive integer")
     for key in ("keep_every", "core_interval", "divergence_window"):
@@ -128,7 +129,7 @@ def check_settings(s, defaults):
             bad(key, "-1 (automatic) or a positive integer" if key != "watch_layer" else "-1 or a layer index")
     if s["watch_layer"] >= s["depth"]:
         bad("watch_layer", f"a layer index below depth={s['depth']}, or -1")
-    for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb")),
+    for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb", *tasks.TASKS)),
                          ("horizon_params", ("all", "non_embedding")), ("loops_sampler", LOOP_SAMPLERS),
                          ("variant", VARIANTS), ("attn", ATTNS)):
         if s[key] not in allowed:
@@ -142,6 +143,7 @@ def check_settings(s, defaults):
         bad("divergence_nats", "a positive number of nats")
     if s["save_interval_minutes"] < 0:
         bad("save_interval_minutes", "minutes >= 0 (0 = off)")
+    tasks.check_settings(s, defaults)
     if s["wandb_project"]:
         tracking.require(f"wandb_project={s['wandb_project']!r}")  # installed? imported only when set
     # A setting that would do nothing is a mistake in the command, not something to ignore.
@@ -180,10 +182,12 @@ def run_dir(s):
     if s["out_dir"]:
         return s["out_dir"]
     size = {6: "small", 12: "base"}.get(s["depth"], f"d{s['depth']}")
+    size += f"_ar{s['aspect_ratio']}" if s.get("aspect_ratio", 64) != 64 else ""
     attention = (f"_gqa{s['n_kv_head']}" if s["n_kv_head"] != -1 else "") + ("_mla" if s["attn"] == "mla" else "") + \
         (f"_swa_{s['window_pattern']}" if s["window_pattern"] != "L" else "") + \
         (f"_{s['loops_sampler']}" if s["loops_sampler"] != "fixed" else "")
-    return os.path.join(s["out_root"], f"{size}_{s['variant'].lower()}_k{s['loops']}{attention}")
+    task = f"_{s['dataset']}" if s["dataset"] in tasks.TASKS else ""
+    return os.path.join(s["out_root"], f"{size}_{s['variant'].lower()}_k{s['loops']}{attention}{task}")
 
 
 def check_grad_accum(total_batch_size, tokens_per_fwdbwd):
@@ -207,6 +211,8 @@ def training_shards(s, tokens):
 def planned_vocab(s):
     """The vocabulary's size from the settings alone, for --dry_run: nothing is downloaded or trained."""
     tokenizer = s["tokenizer"]
+    if s["dataset"] in tasks.TASKS:
+        return tasks.tokenizer(tasks.get(s)).vocab_size
     if tokenizer == "bpe" or os.path.isfile(tokenizer):
         return s["bpe_vocab_size"] if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
     if "qwen3" in tokenizer.lower():
@@ -248,3 +254,13 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
             f"  time        " + (f"{gpus} x {name}: {hours[0.30]:.1f} h at 30% MFU, {hours[0.45]:.1f} h at 45%; "
                                  f"each GPU consumes {consumed_tokens_per_s(model, name) / 1e6:.2f} M tokens/s at 40%"
                                  if peak else f"unknown accelerator {name!r} (--gpu=H100, A100, ...)"))
+
+
+def summary(model, params, s, steps, grad_accum, device, world_size):
+    """train.py's line on what it trains: the model, its size, the steps and their tokens, the FLOPs
+    per token at the trained K, the machine."""
+    config, batch = model.config, s["total_batch_size"]
+    return (f"{config.variant}, {config.loops} loops, {params['all']:,} parameters, "
+            f"{params['non_embedding']:,} without the embedding; {steps} steps of {batch:,} tokens = "
+            f"{steps * batch:,} tokens (horizon_params={s['horizon_params']!r}); grad accumulation "
+            f"{grad_accum}; {model.estimate_flops():.3e} FLOPs/token; {device} x {world_size}")
