@@ -563,6 +563,9 @@ if __name__ == "__main__":
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL)
     with errors.user_errors("flt.corpus"):  # offline, a full disk, a bad shard: one line, exit status 1
         args = parser.parse_args()
+        errors.directory("--data_dir", args.data_dir)
+        if args.download is not None:
+            errors.positive("--download", args.download)
         if args.download is not None:
             download_shards(args.download, args.data_dir, args.base_url)
         else:

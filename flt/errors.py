@@ -10,6 +10,8 @@ torch here: scripts.plot runs without it.
     with errors.user_errors("eval.py"):        # a script with a main()
         main(sys.argv[1:])
     errors.ArgumentParser(prog="python -m scripts.plot")  # argparse's, its mistakes one line too
+    errors.positive("--repeats", repeats)      # the checks every entry point makes before any work
+    errors.output_file("--plot", plot)
 """
 import argparse
 import contextlib
@@ -83,3 +85,28 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ValueError(f"{message} ({self.prog} --help shows the usage)")
+
+
+# ----------------------------------------------------------------------------- checks of inputs
+# What every entry point checks before its first expensive step, each a one-line error naming the
+# setting as the program spells it (key: "--repeats", "loops").
+
+def positive(key, value):
+    """A count: a ValueError unless value is an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r}: expected a positive integer")
+
+
+def output_file(key, path):
+    """A file the program will write: a FileNotFoundError unless its directory exists and path is
+    not itself a directory, found before any work rather than at the end of it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise FileNotFoundError(f"{key}={path}: expected a file in an existing directory "
+                                f"({'it is a directory' if os.path.isdir(path) else f'no directory {folder}'})")
+
+
+def directory(key, path):
+    """A directory the program reads or creates: a ValueError if path is a file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{key}={path}: a file, not a directory")

@@ -236,17 +236,16 @@ def parse(argv, defaults, source, modes):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{key}={path}: no such file")
     for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch", "sample_tokens"):
-        if getattr(c, key, 1) < 1:
-            raise ValueError(f"--{key}={getattr(c, key)!r}: expected a positive integer")
+        errors.positive(f"--{key}", getattr(c, key, 1))
     if getattr(c, "max_per_task", -1) == 0 or getattr(c, "max_per_task", -1) < -1:
         raise ValueError(f"--max_per_task={c.max_per_task!r}: expected -1 (every item) or a positive count")
     if getattr(c, "temperature", 0) < 0:
         raise ValueError(f"--temperature={c.temperature!r}: expected 0 (greedy) or a positive number")
     if draft_loops is None and getattr(c, "draft_len", 4) != defaults.get("draft_len", 4):
         raise ValueError(f"--draft_len={c.draft_len!r} does nothing without --draft_loops: remove it, or draft")
-    out = getattr(c, "out", "")
-    if out and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out)))):
-        raise FileNotFoundError(f"--out={out}: expected a file in an existing directory")
+    if getattr(c, "out", ""):
+        errors.output_file("--out", c.out)
+    errors.directory("--data_dir", getattr(c, "data_dir", ""))
     if getattr(c, "wandb", False):
         tracking.require("--wandb=True")  # installed? found before any model time is spent
     if not os.path.isdir(argv[0]):

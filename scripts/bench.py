@@ -41,6 +41,7 @@ import data
 from configurator import configure
 from model import GPT, GPTConfig
 from flt.planning import consumed_tokens_per_s, peak_flops
+from flt import errors
 from flt.errors import user_errors
 from flt.runtime import precision, resolve_dtype, setup
 from optim import build_optimizers, clip_coefficient, reduce_gradients
@@ -70,8 +71,25 @@ plot = ""                   # cache, speculative modes: a PNG (the price against
 baseline = ""               # cache, speculative modes: a git commit whose default decoding is timed beside
 seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
+MODES = ("ratios", "train", "memory", "memory_step", "loader", "syncs", "lmeval", "hf", "cache",
+         "speculative")
+# the settings only some modes read: given to another, they would do nothing
+READ_BY = {"run": ("hf", "cache", "speculative"), "plot": ("cache", "speculative"),
+           "baseline": ("cache", "speculative")}
 with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1, no traceback
     configure(globals(), sys.argv[1:])
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {', '.join(m for m in MODES if m != 'memory_step')}")
+    for key in ("depth", "sequence_len", "batch_size", "loops", "repeats", "gen_tokens", "steps", "world_size"):
+        errors.positive(f"--{key}", globals()[key])
+    if seconds <= 0:
+        raise ValueError(f"--seconds={seconds!r}: expected a positive number of seconds")
+    for key, modes_reading in READ_BY.items():
+        if globals()[key] and mode not in modes_reading:
+            raise ValueError(f"--{key}={globals()[key]!r} does nothing in --mode={mode}: only "
+                             f"{', '.join(modes_reading)} read it")
+    if mode == "hf" and run and not os.path.isdir(run):
+        raise FileNotFoundError(f"--run={run}: no such run directory")
     rt = setup(device)  # the device checks of train.py and eval.py; "cuda" becomes "cuda:0"
     device, cuda = rt.device, rt.device_type == "cuda"
     dtype = resolve_dtype(dtype, rt.device_type)
@@ -577,8 +595,8 @@ def checked_runs():
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--run: {path}: no such run directory")
         checkpoint.candidates(path)
-    if plot and not os.path.isdir(os.path.dirname(os.path.abspath(plot))):
-        raise FileNotFoundError(f"--plot={plot}: no such directory {os.path.dirname(plot)!r}")
+    if plot:
+        errors.output_file("--plot", plot)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if baseline and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{baseline}^{{commit}}"],
                                    cwd=root, capture_output=True).returncode:
@@ -707,6 +725,4 @@ if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
              "syncs": syncs, "lmeval": lmeval, "hf": hf, "cache": cache, "speculative": speculative}
     with user_errors("scripts.bench"):  # a bad setting or input: one line and exit status 1
-        if mode not in modes:
-            raise ValueError(f"mode={mode!r}: expected one of {sorted(modes)}")
         modes[mode]()

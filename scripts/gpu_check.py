@@ -32,6 +32,7 @@ import torch
 import data
 from configurator import configure
 from flt import checkpoint, diagnostics, planning
+from flt import errors
 from flt.errors import user_errors
 from flt.runtime import atomic_write, precision, resolve_dtype, setup
 from model import GPT, GPTConfig
@@ -470,8 +471,8 @@ def main():
     if steps < 1 or batch_size == 0 or batch_size < -1:
         raise ValueError(f"--steps={steps}, --batch_size={batch_size}: expected steps >= 1 and "
                          "a batch >= 1 (or -1: the largest that fits)")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise FileNotFoundError(f"--out={out}: no such directory {os.path.dirname(out)!r}")
+    errors.output_file("--out", out)
+    errors.directory("--data_dir", data_dir)
     rt = setup(device)
     where = torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else "cpu"
     head = {"device": where, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

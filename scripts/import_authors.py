@@ -35,6 +35,10 @@ def main(argv):
     args = p.parse_args(argv)
     if not os.path.exists(args.src):
         raise FileNotFoundError(f"{args.src!r}: no such directory")
+    if args.tokenizer and not os.path.isfile(args.tokenizer):
+        raise FileNotFoundError(f"--tokenizer={args.tokenizer}: no such file")
+    if args.step is not None and args.step < 0:
+        raise ValueError(f"--step={args.step}: expected a step >= 0")
     return authors.import_run(args.src, args.out, args.step, args.tokenizer, args.force)
 
 

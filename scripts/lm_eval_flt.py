@@ -262,8 +262,15 @@ def parse(argv):
     args = p.parse_args(argv)
     args.loops = report.loop_budgets(args.loops)
     report.check_cache_slots(args.cache_slots, args.loops, "--cache_slots")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch_size={args.batch_size}: expected a positive integer")
+    errors.positive("--batch_size", args.batch_size)
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit={args.limit}: expected items per task (>= 1) or a fraction of them (< 1), > 0")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num_fewshot={args.num_fewshot}: expected an integer >= 0")
+    if args.exit_threshold is not None and args.exit_threshold < 0:
+        raise ValueError(f"--exit_threshold={args.exit_threshold}: expected a KL threshold >= 0 (nats)")
+    if args.output_path:
+        errors.output_file("--output_path", args.output_path)
     if args.include_path and not os.path.isdir(args.include_path):
         raise FileNotFoundError(f"--include_path={args.include_path!r}: no such directory")
     if not os.path.exists(args.run):

@@ -43,7 +43,7 @@ def test_gpu_check_refuses_in_one_line_without_a_gpu_or_with_a_bad_setting(tmp_p
              ("--tiny", "--parts=quickstart,nope"): "'nope' is not one of",
              ("--tiny", "--compile=auto"): "--compile=auto: expected on or off",
              ("--tiny", "--steps=0"): "--steps=0",
-             ("--tiny", f"--out={tmp_path}/missing/x.json"): "no such directory"}
+             ("--tiny", f"--out={tmp_path}/missing/x.json"): "expected a file in an existing directory"}
     for argv, message in cases.items():
         code, out, err = run_module("scripts.gpu_check", *(("--device=cpu",) if argv else ()), *argv)
         assert code == 1 and len(err.splitlines()) == 1 and message in err, (argv, err)
