@@ -17,6 +17,8 @@ The metrics, each as the authors' scripts compute it (FuRuF-11/FullyLoopedTransf
 - WikiText-2 test perplexity: exp(mean NLL) (evaluate_ppl)
 - CORE (DCLM, nanochat's core_eval): the mean centered accuracy of the bundle's tasks, and
   Table 1's six downstream accuracies (evaluate_core)
+- tasks, beyond the paper: exact-match accuracy by difficulty on a synthetic reasoning task's
+  held-out items (evaluate_tasks; flt/tasks.py)
 Which tokens and items are scored never depends on this machine: batch_size and the number of
 processes change the speed only. The protocols, the modes and eval.json: docs/evaluation.md.
 """
@@ -39,7 +41,7 @@ from flt.runtime import print0
 from model import ROPE_SPAN
 
 # ----------------------------------------------------------------------------- settings
-modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit
+modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit, tasks
 loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
 device = ""                     # cuda | cuda:N | cpu | mps; empty = cuda if there is one, else cpu
 batch_size = 8                  # sequences per forward here: speed only,
@@ -59,7 +61,7 @@ wiki_url = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
 bundle_dir = ""                 # DCLM eval bundle directory; empty = data_dir/eval_bundle
 bundle_url = core.BUNDLE_URL
 max_per_task = -1               # CORE items per task after the seeded shuffle;
-                                # <= 0 = all (as nanochat)
+                                # -1 = all (as nanochat)
 sample_tokens = 48              # sample mode: tokens generated per prompt and K
 temperature = 0.0               # sample mode: 0 = greedy
 wandb = False                   # also log the results to the run's W&B run
@@ -71,8 +73,9 @@ draft_len = 4                   # sample mode: tokens drafted a round (with draf
 out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
+task_items = 2048               # tasks mode: the held-out items scored (the test set's first N)
 
-MODES = ("bpb", "wiki", "core", "sample", "exit")
+MODES = ("bpb", "wiki", "core", "sample", "exit", "tasks")
 # the two byte counts of a token: val_bpb (compared with the paper) and val_bpb_utf8
 BYTE_COUNTS = ("authors", "utf8")
 
@@ -173,6 +176,30 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
         curve.append({"threshold": t, "val_bpb": nats / (math.log(2) * n_bytes),
                       "mean_loops": used / n_tokens})
     return curve
+
+
+# ----------------------------------------------------------------------------- reasoning tasks
+@torch.no_grad()
+def evaluate_tasks(model, batches, levels, loops_list, progress=None):
+    """({K: {difficulty: exact-match accuracy}}, {difficulty: answers}) on a synthetic task's test
+    batches (x, y, difficulty) (flt/tasks.py): the share of the answers (targets >= 0) of each
+    difficulty in `levels` whose argmax is right, every K from one forward. All-reduced."""
+    device = next(model.parameters()).device
+    # per K: the right answers at each difficulty; the last row: the answers of each difficulty
+    sums = torch.zeros(len(loops_list) + 1, max(levels) + 1, dtype=torch.float64, device=device)
+    for x, y, d in batches:
+        x, y, d = x.to(device), y.to(device), d.to(device)
+        scored = y >= 0
+        for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list).values()):
+            right = (pred == y)[scored].double()
+            sums[i] += torch.bincount(d[scored], weights=right, minlength=sums.shape[1])
+        sums[-1] += torch.bincount(d[scored], minlength=sums.shape[1])
+        if progress:
+            progress()
+    runtime.all_reduce_sum(sums)
+    *right, answers = sums.tolist()
+    accuracy = {K: {d: r[d] / answers[d] for d in levels} for K, r in zip(loops_list, right)}
+    return accuracy, {d: int(answers[d]) for d in levels}
 
 
 # ----------------------------------------------------------------------------- WikiText-2
@@ -309,9 +336,10 @@ def main(argv):
     model, meta = load_model(ckpt, rt.device, log=print0)
     # what each mode computes
     metrics = SimpleNamespace(sweep=loop_losses, bpb=evaluate_bpb, exit=evaluate_exit,
-                              ppl=evaluate_ppl, core=evaluate_core, byte_counts=BYTE_COUNTS)
-    results, failures = plan_and_run(c, model.eval(), meta, rt, run_modes, loops_list, thresholds,
-                                     metrics)
+                              ppl=evaluate_ppl, core=evaluate_core, tasks=evaluate_tasks,
+                              byte_counts=BYTE_COUNTS)
+    results, failures = plan_and_run(c, defaults, model.eval(), meta, rt, run_modes, loops_list,
+                                     thresholds, metrics)
     # rank 0 was writing
     runtime.finish(rt)
     if failures:

@@ -3,9 +3,11 @@ counts its inputs, no forward yet, and returns (its plan line, the forwards this
 run); run() computes one of eval.py's metrics and returns ({K: {key: value}}, what was measured).
 `plan_and_run` is eval.py's command line after the checkpoint loads: the plan lines, the time
 estimate, each mode run and merged into eval.json (report.run_modes, report.write_results), the
-table.
+table of everything eval.json then holds. A mode run with one of its CHOICES off the default keeps
+its results apart, under metric[setting=value,...] (labelled).
 
-    results, failures = plan_and_run(c, model, meta, rt, run_modes, loops, thresholds, metrics)
+    results, failures = plan_and_run(c, defaults, model, meta, rt, run_modes, loops, thresholds,
+                                     metrics)
 
 `metrics` holds eval.py's functions: sweep (loop_losses), bpb, exit, ppl, core and byte_counts
 (BYTE_COUNTS); the modes hold no arithmetic of their own.
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 import data
-from flt import corpus, report, runtime, tracking
+from flt import corpus, report, runtime, tasks, tracking
 from flt.runtime import print0
 
 SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,")
@@ -148,28 +150,99 @@ def sample_mode(c, ctx):
             sum(K * c.sample_tokens for K, _ in prompts) / ctx.loops[-1], run)
 
 
+# The settings that change a mode's numbers (docs/evaluation.md). Results computed with any of them
+# off its default are kept in eval.json under metric[setting=value,...], beside the default ones.
+# Where the inputs are (val_files, wiki_path, bundle_dir: local copies) is no such choice.
+PROTOCOL = ("bpb_tokens", "protocol_ranks", "protocol_batch")
+CHOICES = {"bpb": PROTOCOL, "exit": PROTOCOL, "wiki": ("protocol_batch",), "core": ("max_per_task",),
+           "sample": ("temperature", "cache_slots", "draft_loops", "draft_len"), "tasks": ("task_items",)}
+
+
+def label(c, defaults, mode):
+    """The label of a mode's results: its CHOICES set off their defaults, "key=value,..."; "" if
+    none (the paper's protocol, greedy exact decoding)."""
+    off = [key for key in CHOICES.get(mode, ()) if getattr(c, key) != defaults[key]]
+    return ",".join(f"{key}={getattr(c, key)}" for key in off)
+
+
+def labelled(plan, tag):
+    """plan() (a mode's), its results stored as metric[tag] and its plan line saying so."""
+    line, n, run = plan()
+    if not tag:
+        return line, n, run
+
+    def run_labelled():
+        by_K, measured = run()
+        return {K: {f"{key}[{tag}]": v for key, v in r.items()} for K, r in by_K.items()}, measured
+    return f"{line}; off the default, kept apart in eval.json as <metric>[{tag}]", n, run_labelled
+
+
+def tasks_mode(c, ctx):
+    """A synthetic task's held-out items (flt/tasks.py), scored by exact match at each K."""
+    task = tasks.get(ctx.settings) if "dataset" in ctx.settings else None
+    if task is None:
+        raise ValueError(f"the tasks mode scores a model trained on a task "
+                         f"({', '.join(tasks.TASKS)}); this one was trained on "
+                         f"dataset={ctx.settings.get('dataset')!r}")
+    batches = task.batches(c.task_items * task.item_len, c.batch_size, ctx.rank, ctx.world,
+                           difficulty=True)
+
+    def run():
+        progress = progress_of(ctx, f"{task.name} accuracy", len(batches))
+        accuracy, answers = ctx.metrics.tasks(ctx.model, batches, task.levels, ctx.loops, progress)
+        total = sum(answers.values())
+        results = {}
+        for K, by_level in accuracy.items():
+            mean = sum(a * answers[d] for d, a in by_level.items()) / total
+            levels = {str(d): a for d, a in by_level.items()}
+            results[K] = {"task_acc": mean, "task_acc_by_difficulty": levels}
+            print0(f"{task.name} K={K}: accuracy {mean:.4f}; by difficulty "
+                   + " ".join(f"{d}:{a:.2f}" for d, a in levels.items()))
+        return results, {"task": task.name, "difficulty": task.D, "items": c.task_items,
+                         "answers": {str(d): n for d, n in answers.items()}}
+    return (f"{c.task_items:,} held-out {task.name} items of difficulty {task.D} "
+            f"({len(task.levels)} levels), {len(batches)} forwards of {c.batch_size} x "
+            f"{ctx.seq_len} at K={ctx.loops[-1]}", len(batches), run)
+
+
 PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample_mode,
-         "exit": exit_mode}
+         "exit": exit_mode, "tasks": tasks_mode}
 
 
 @torch.no_grad()
 def estimate(c, ctx, planned):
-    """Seconds each planned mode should take: its forwards times one timed forward at max(loops) on
-    a batch_size x sequence_len batch (after a warm-up), or a decoding step's (4 tokens) for
-    samples."""
+    """Seconds each planned mode should take: its forwards times one of its own kind, timed at
+    max(loops) on a batch_size x sequence_len batch (the best of two after a warm-up): the budget
+    sweep's (loop_losses), the exit rule's forward for exit (its KL reads every loop's logits), and
+    for samples a decoding step's (20 tokens less 4, so that the prefill drops out)."""
     K_max = ctx.loops[-1]
     x = torch.zeros(c.batch_size, ctx.seq_len, dtype=torch.long, device=ctx.dev)
 
-    def forward():
+    def sweep():
         return ctx.metrics.sweep(ctx.model, x, x, [K_max])
 
-    def decode():
-        return list(ctx.model.generate(x[:1, :1], 4, loops=K_max))
+    def exit_rule():
+        return ctx.model(x, loops=K_max, exit_threshold=ctx.thresholds[0], return_loops=True)
+
+    def decode(n):
+        return list(ctx.model.generate(x[:1, :8], n, loops=K_max, cache_slots=c.cache_slots,
+                                       draft_loops=c.draft_loops, draft_len=c.draft_len))
+
+    def step():
+        return best(functools.partial(decode, 20)) - best(functools.partial(decode, 4))
+    kinds = {"exit": exit_rule, "sample": step}
+    seconds = {}
     with ctx.numerics:
-        forward_s = report.seconds(forward, warmup=1)
-        step_s = report.seconds(decode) / 4 if "sample" in planned and ctx.rank == 0 else 0.0
-    return {mode: n * (step_s if mode == "sample" else forward_s)
-            for mode, (_, n, _) in planned.items()}
+        for mode in planned:
+            kind = kinds.get(mode, sweep)
+            if kind not in seconds and (mode != "sample" or ctx.rank == 0):
+                seconds[kind] = step() / 16 if kind is step else best(kind)
+    return {mode: n * seconds.get(kinds.get(mode, sweep), 0.0) for mode, (_, n, _) in planned.items()}
+
+
+def best(work):
+    """The shorter of two timed calls of work(), after one to warm up."""
+    return min(report.seconds(work, warmup=1), report.seconds(work))
 
 
 def context(c, model, meta, rt, loops, thresholds, metrics):
@@ -186,9 +259,10 @@ def context(c, model, meta, rt, loops, thresholds, metrics):
                            numerics=numerics, tokenizer=tokenizer)
 
 
-def plan_and_run(c, model, meta, rt, run_modes, loops, thresholds, metrics):
+def plan_and_run(c, defaults, model, meta, rt, run_modes, loops, thresholds, metrics):
     """Each mode of run_modes planned, then run and merged into eval.json (c.out, or the step
-    directory's) after it ends, on rank 0; the table, and the results to W&B if c.wandb.
+    directory's) after it ends, on rank 0, labelled where the settings (c) leave the defaults in
+    one of its CHOICES; the table of all eval.json then holds, and that to W&B if c.wandb.
     Returns ({K: results}, the closing line when a mode could not run, else None)."""
     ctx = context(c, model, meta, rt, loops, thresholds, metrics)
     json_path, step = c.out or os.path.join(meta["path"], "eval.json"), meta.get("step")
@@ -196,16 +270,24 @@ def plan_and_run(c, model, meta, rt, run_modes, loops, thresholds, metrics):
            f"{model.config.loops}; evaluating K in {loops} on {rt.device}, world {rt.world}")
     record = {"checkpoint": meta["path"], "step": step, "settings": vars(c), "time": report.now()}
 
+    held = {}
+
     def save(results, measured):
         if rt.rank == 0:
             # another eval.py of this checkpoint merges in turn
             with corpus.locked(json_path):
-                report.write_results(json_path, record, results, measured, runtime.atomic_write)
-    plans = {mode: functools.partial(PLANS[mode], c, ctx) for mode in run_modes}
+                doc = report.write_results(json_path, record, results, measured,
+                                           runtime.atomic_write)
+            held.update(doc["results"])
+    plans = {mode: functools.partial(labelled, functools.partial(PLANS[mode], c, ctx),
+                                     label(c, defaults, mode)) for mode in run_modes}
     results, measured, failed = report.run_modes(plans, functools.partial(estimate, c, ctx),
                                                  ctx.numerics, save, loops, print0)
-    closing = f"written to {json_path}" if measured else "nothing computed"
-    print0("\n" + report.table(results) + closing)
+    if measured:
+        # the table of what the file holds now: this run's entries and those of earlier runs
+        print0(f"\n{json_path} now holds:\n" + report.summary(held) + f"written to {json_path}")
+    else:
+        print0("\nnothing computed")
     # all eval.json holds, to the run's W&B (flt/tracking.py)
     if c.wandb and rt.rank == 0 and measured:
         tracking.log_results(os.path.dirname(meta["path"]), json_path, step)

@@ -13,6 +13,7 @@ import torch
 
 from flt import checkpoint
 from flt import corpus
+from flt import errors
 import data
 from flt import tasks
 from flt import tracking
@@ -141,6 +142,14 @@ def check_settings(s, defaults):
         bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
     if s["divergence_nats"] <= 0:
         bad("divergence_nats", "a positive number of nats")
+    for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "grad_clip"):
+        if s[key] <= 0:
+            bad(key, "a positive learning rate" if key != "grad_clip" else "a positive gradient norm")
+    if not 0 <= s["warmdown_frac"] <= 1:
+        bad("warmdown_frac", "a fraction of the steps from 0 to 1")
+    for key in ("momentum_warmup_steps", "sample_tokens"):
+        if s[key] < 0:
+            bad(key, "a number >= 0 (0 = off)")
     if s["save_interval_minutes"] < 0:
         bad("save_interval_minutes", "minutes >= 0 (0 = off)")
     tasks.check_settings(s, defaults)
@@ -164,6 +173,12 @@ def check_settings(s, defaults):
                              "with loops_sampler='fixed' unless below loops")):
         if inert and s[key] != defaults[key]:
             raise ValueError(f"{key}={s[key]!r} does nothing {why}: remove it, or set what it needs")
+    # the paths, before out_dir is claimed or anything is built there
+    errors.directory("data_dir", s["data_dir"])
+    tokenizer = s["tokenizer"]
+    if tokenizer.endswith(".json") and not os.path.isfile(tokenizer):
+        raise FileNotFoundError(f"tokenizer={tokenizer!r}: no such file; give a tokenizer.json path, a hub "
+                                "name like 'Qwen/Qwen3-0.6B', or bpe")
 
 
 def resume_changes(saved, s, path):
@@ -247,7 +262,9 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
             f"  FLOPs       {flops:.3e} per token (the loops counted), {flops * tokens:.3e} in all\n"
             f"  data        " + (f"{shards} FineWeb-Edu training shards + 1 validation, about "
                                  f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "
-                                 f"for {tokens:.2e}" if shards else "the embedded corpus") + "\n"
+                                 f"for {tokens:.2e}" if shards else "the embedded corpus"
+                                 if s["dataset"] == "embedded" else
+                                 f"{s['dataset']} items, generated from the seed") + "\n"
             f"  memory/GPU  device_batch_size={s['device_batch_size']}, {dtype}, {gpus} GPUs (estimate, GiB):\n"
             f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "
             f"compiled {gib[True, False]:.1f}, checkpoint_loops {gib[True, True]:.1f}\n"

@@ -235,7 +235,8 @@ def parse(argv, defaults, source, modes):
     for key, path in given:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{key}={path}: no such file")
-    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch", "sample_tokens"):
+    for key in ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch", "sample_tokens",
+                "task_items"):
         errors.positive(f"--{key}", getattr(c, key, 1))
     if getattr(c, "max_per_task", -1) == 0 or getattr(c, "max_per_task", -1) < -1:
         raise ValueError(f"--max_per_task={c.max_per_task!r}: expected -1 (every item) or a positive count")

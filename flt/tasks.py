@@ -77,8 +77,8 @@ class Task:
         return int.from_bytes(digest, "little") % TEST_BUCKET == 0
 
     def train_item(self, seed, i):
-        """Item i of the training stream of `seed`: the first draw of rng([seed, i, attempt]) that is
-        not a test item."""
+        """Item i of the training stream of `seed`: the first draw of rng([seed, i, attempt])
+        that is not a test item."""
         for attempt in itertools.count():
             item = self.item(np.random.default_rng([seed, i, attempt]))
             if not self.is_test(item[0]):
@@ -229,8 +229,8 @@ def check_settings(s, defaults):
     """ValueErrors naming the setting: a task that cannot fit, or a text setting it would ignore."""
     if s["dataset"] not in TASKS:
         if s["task_difficulty"] != defaults["task_difficulty"]:
-            raise ValueError(f"task_difficulty={s['task_difficulty']} does nothing unless dataset is "
-                             f"a task ({', '.join(TASKS)})")
+            raise ValueError(f"task_difficulty={s['task_difficulty']} does nothing unless dataset "
+                             f"is a task ({', '.join(TASKS)})")
         return
     D, T = s["task_difficulty"], s["sequence_len"]
     if D < 1:
@@ -244,8 +244,8 @@ def check_settings(s, defaults):
         raise ValueError(f"sequence_len={T}: chains of difficulty {D} would need more than "
                          f"{len(NAMES)} variable names; use sequence_len <= {len(NAMES) + 1}")
     if s["sample_tokens"]:
-        raise ValueError(f"sample_tokens={s['sample_tokens']}: dataset={s['dataset']!r} has no text "
-                         "to continue; set sample_tokens=0 (config/s3.py and config/chains.py do)")
+        raise ValueError(f"sample_tokens={s['sample_tokens']}: dataset={s['dataset']!r} has no "
+                         "text to continue; set sample_tokens=0 (config/reasoning.py does)")
     for key in ("tokenizer", "bpe_vocab_size", "bos_token"):
         if s[key] != defaults[key]:
             raise ValueError(f"{key}={s[key]!r} does nothing with dataset={s['dataset']!r}, which "

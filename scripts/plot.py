@@ -5,6 +5,7 @@ matplotlib: pip install -r requirements/plot.txt):
     python -m scripts.plot loss out/fig5/* -o fig5.png                          # Figs. 5, 10: training loss
     python -m scripts.plot sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
     python -m scripts.plot exit out/loops/d2_flt_k4* -o exit.png              # bpb against loops per token
+    python -m scripts.plot depth out/reasoning/* -o depth.png                 # a reasoning task's accuracy
     python -m scripts.plot resid out/diag/small_*_k12 --loops 6 9 12 -o fig7.png      # Fig. 7
     python -m scripts.plot grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
     python -m scripts.plot core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training
@@ -240,6 +241,39 @@ def exit_curves(evals, labels):
     return fig
 
 
+def depth_curves(evals, labels, loops):
+    """A reasoning task's accuracy (eval.py --modes=tasks): against K at evaluation, one line per
+    run; and against the task's difficulty at each K of `loops` (default: the run's trained K and
+    its largest evaluated K), a line per run and K."""
+    plt = pyplot()
+    fig, (by_k, by_level) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for i, (path, label) in enumerate(zip(evals, labels)):
+        results = {K: r for K, r in read_eval(path).items() if "task_acc" in r}
+        if not results:
+            raise ValueError(f"{path}: no task accuracy in its eval.json; run eval.py --modes=tasks")
+        depth = run_settings(path).get("depth")
+        label = f"{label}, {depth} blocks" if depth else label
+        by_k.plot(list(results), [r["task_acc"] for r in results.values()], "o-", color=f"C{i}",
+                  label=label)
+        trained = run_settings(path).get("loops")
+        shown = [K for K in loops or dict.fromkeys([trained, max(results)]) if K in results]
+        for K, style in zip(shown, ("o-", "s--", "^:", "v-.")):
+            levels = results[K]["task_acc_by_difficulty"]
+            by_level.plot([int(d) for d in levels], list(levels.values()), style, color=f"C{i}",
+                          label=f"{label} at K={K}")
+    by_k.set(title="Accuracy against loops at evaluation", xlabel="loops at evaluation (K)",
+             ylabel="exact-match accuracy", xscale="log", ylim=(0, 1.02))
+    by_k.minorticks_off()
+    by_k.set_xticks(sorted({K for p in evals for K in read_eval(p)}))
+    by_k.set_xticklabels(by_k.get_xticks())
+    by_level.set(title="Accuracy against difficulty", xlabel="difficulty (prefix length or hops)",
+                 ylabel="exact-match accuracy", ylim=(0, 1.02))
+    for ax in (by_k, by_level):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig
+
+
 # ----------------------------------------------------------------------------- Table 1
 def table(evals, labels, paper=False):
     """Markdown in the paper's Table 1 layout (report.py), one row per run at its training K (every
@@ -282,6 +316,7 @@ def main(argv):
              "grads": "gradient norms of the LM head and the 5th layer's FFN and attention (Fig. 8)",
              "core": "CORE during training (Fig. 9)",
              "exit": "val bpb against loops per token: fixed K and the exit rule (eval.py --modes=bpb,exit)",
+             "depth": "a reasoning task's accuracy against K and against difficulty (eval.py --modes=tasks)",
              "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)"}
     for command, text in helps.items():
         p = commands.add_parser(command, help=text, description=text)
@@ -292,6 +327,8 @@ def main(argv):
     commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
                                            "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
+    commands.choices["depth"].add_argument("--loops", nargs="+", type=int, default=[], help="the Ks whose accuracy by "
+                                           "difficulty is drawn (default: the trained K and the largest)")
     for command in ("diag", "grads"):
         commands.choices[command].add_argument("--clipped", action="store_true", help="gradient norms as the "
                                                "authors' base_check.py logged them: rank 0's own, after clipping")
@@ -299,6 +336,13 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} given for {len(args.runs)} runs")
+    for path in args.runs:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such run, step directory or file")
+    for k in getattr(args, "loops", ()):
+        errors.positive("--loops", k)
+    if args.out:
+        errors.output_file("--out", args.out)
     if args.command == "table":
         md = table(args.runs, args.labels or [None] * len(args.runs), args.paper)
         if args.out:
@@ -311,6 +355,8 @@ def main(argv):
         fig = sweep(args.runs, labels, args.metric)
     elif args.command == "exit":
         fig = exit_curves(args.runs, labels)
+    elif args.command == "depth":
+        fig = depth_curves(args.runs, labels, args.loops)
     else:
         fig = curves(args.command, args.runs, labels, getattr(args, "loops", ()), getattr(args, "clipped", False))
     save(fig, args.out)

@@ -1,6 +1,7 @@
 """Does the suite fail when the recipe is applied wrong? Each mutant below is one plausible slip in a
-line of train.py, optim.py or model.py that carries the recipe; this script applies them one at a
-time to a copy of the tree and runs the tests that pin that line (-x: it stops at the first failure).
+line of train.py, optim.py or model.py that carries the recipe (or of decoding, the reasoning
+tasks and their accuracy); this script applies them one at a time to a copy of the tree and runs
+the tests that pin that line (-x: it stops at the first failure).
 A mutant the tests let through is printed as SURVIVED: a line no test pins yet.
 
     python tests/mutants.py                 # every mutant (about 20 minutes on 2 cores)
@@ -22,6 +23,7 @@ OPTIM = ["tests/test_optim.py"] + RECIPE
 MODEL = ["tests/test_model.py", "tests/test_variable_loops.py", "tests/test_padded_generate.py"]
 LOOP_CACHE = ["tests/test_loop_cache.py"]
 SPECULATIVE = ["tests/test_speculative.py"]
+TASKS = ["tests/test_tasks.py"]
 
 # (file, the line's text, the slip, the tests that pin it)
 MUTANTS = [
@@ -146,6 +148,19 @@ MUTANTS = [
      SPECULATIVE),
     ("model.py", "h_prev = hs[-1] if hs else h_first", "h_prev = hs[-1] if hs else None",
      SPECULATIVE),
+    # the reasoning tasks: their answers, the held-out split, the stream, the accuracy
+    ("flt/tasks.py", "running.append(int(task.table[running[-1], g]))",
+     "running.append(int(task.table[g, running[-1]]))", TASKS),
+    ("flt/tasks.py", "targets += [-1, int(roots[j])]", "targets += [-1, int(roots[0])]", TASKS),
+    ("flt/tasks.py", "if not self.is_test(item[0]):", "if True:", TASKS),
+    ("flt/tasks.py", "first = self.next_item + self.rank * n", "first = self.next_item", TASKS),
+    ("flt/tasks.py", "self.next_item += n * self.world", "self.next_item += n", TASKS),
+    ("flt/tasks.py", "rhs = roots[j] if h == 0 else names[j, h - 1]",
+     "rhs = roots[j] if h == 0 else names[j, 0]", TASKS),
+    ("eval.py", "for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list).values()):",
+     "for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list[-1:]).values()):", TASKS),
+    ("eval.py", "sums[-1] += torch.bincount(d[scored], minlength=sums.shape[1])",
+     "sums[-1] += torch.bincount(d[scored].clamp(max=1), minlength=sums.shape[1])", TASKS),
 ]
 
 

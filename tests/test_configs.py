@@ -142,7 +142,7 @@ def test_documented_commands_run_what_they_claim(tmp_path, monkeypatch):
                 s = apply(args, monkeypatch)
                 model_config(s, vocab(s))
                 # the batch splits over this command's processes, or the GPUs of a paper run (one node of 8)
-                grad_accum(s, nproc if s["dataset"] == "embedded" or nproc > 1 else 8)
+                grad_accum(s, nproc if s["dataset"] != "fineweb" or nproc > 1 else 8)
                 runs.add(s["out_dir"])
             elif name in ("eval.py", "scripts/plot.py"):  # it reads the runs trained above (globs aside)
                 paths = {a for a in args if a.startswith("out/") and not set(a) & set("*[")}

@@ -712,12 +712,14 @@ def test_cli_end_to_end(tmp_path):
           "|---|---|---|---|---|---|---|---|---|---|---|\n")
     for K in (1, 2):
         r = saved["results"][str(K)]
-        assert r["val_bpb"] == pytest.approx(bpb["authors"][K], rel=1e-5)
-        assert r["val_bpb_utf8"] == pytest.approx(bpb["utf8"][K], rel=1e-5)
+        # bpb on 512 tokens, not the authors' 40 x 2^19: kept under its label, a row of its own
+        assert r["val_bpb[bpb_tokens=512]"] == pytest.approx(bpb["authors"][K], rel=1e-5)
+        assert r["val_bpb_utf8[bpb_tokens=512]"] == pytest.approx(bpb["utf8"][K], rel=1e-5)
         assert r["wiki_ppl"] == pytest.approx(ppl[K]) and r["CORE"] == pytest.approx(core[K]["CORE"])
         assert len(r["samples"]) == len(modes.SAMPLE_PROMPTS) and r["samples"][0].startswith(modes.SAMPLE_PROMPTS[0])
         # the handmade bundle has none of Table 1's six tasks: their cells and Avg stay empty
-        md += f"| {K} | {r['wiki_ppl']:.2f} | {r['val_bpb']:.3f} | {100 * r['CORE']:.2f} |" + "  |" * 7 + "\n"
+        md += f"| {K} | {r['wiki_ppl']:.2f} |  | {100 * r['CORE']:.2f} |" + "  |" * 7 + "\n"
+        md += f"| {K} [bpb_tokens=512] |  | {r['val_bpb[bpb_tokens=512]']:.3f} |" + "  |" * 8 + "\n"
     assert (step / "eval.md").read_text() == saved["table"] == md
     assert not (tmp_path / "nodata").exists()  # every input was local
 
@@ -739,10 +741,10 @@ def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
     assert "2 of 3 modes could not run" in out and "after 1 attempts" in out  # no retries for an unknown host
     assert out.index("plan wiki   cannot run") < out.index("plan core   cannot run") < out.index("val bpb: K=1")
     saved = json.loads((step / "eval.json").read_text())["results"]["1"]
-    assert set(saved) == {"val_bpb", "val_bpb_utf8"}  # wiki and core failed, bpb ran
+    assert set(saved) == {"val_bpb[bpb_tokens=512]", "val_bpb_utf8[bpb_tokens=512]"}  # wiki and core failed
     assert sorted(os.listdir(step)) == ["eval.json", "eval.md", "model.pt", "rank0.pt", "tokenizer.json"]  # no temp file
     alone = ev.main(args + ["--modes=bpb", f"--out={tmp_path / 'bpb.json'}"])
-    assert saved["val_bpb"] == pytest.approx(alone[1]["val_bpb"])
+    assert saved["val_bpb[bpb_tokens=512]"] == pytest.approx(alone[1]["val_bpb[bpb_tokens=512]"])
 
 
 def test_samples_print_as_text_between_rules(tmp_path, capsys):
@@ -786,8 +788,8 @@ def test_sample_mode_decodes_with_cache_slots(tmp_path, monkeypatch):
     results = ev.main([str(tmp_path / "run"), "--device=cpu", "--loops=3,2", "--modes=sample", "--sample_tokens=4",
                        "--cache_slots=1"])
     assert calls == [(2, 1)] * len(modes.SAMPLE_PROMPTS) + [(3, 1)] * len(modes.SAMPLE_PROMPTS)
-    assert results[3]["samples"][0] == sample(model, tok, modes.SAMPLE_PROMPTS[0], 4, temperature=0, loops=3,
-                                              cache_slots=1)
+    assert results[3]["samples[cache_slots=1]"][0] == sample(model, tok, modes.SAMPLE_PROMPTS[0], 4, temperature=0,
+                                                             loops=3, cache_slots=1)
 
 
 def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, capsys):
@@ -798,11 +800,37 @@ def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, 
             f"--out={tmp_path / 'eval.json'}"]
     exact = ev.main(args)
     drafted = ev.main(args + ["--draft_loops=1", "--draft_len=3"])
-    assert drafted == exact and "drafting 3 tokens a round with 1 loops" in capsys.readouterr().out
+    assert "drafting 3 tokens a round with 1 loops" in capsys.readouterr().out
+    # kept apart from the exact samples, and equal to them
+    assert drafted == {K: {"samples[draft_loops=1,draft_len=3]": r["samples"]} for K, r in exact.items()}
+    saved = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert saved == {str(K): exact[K] | drafted[K] for K in exact}
     for bad, message in ((["--draft_loops=2"], "expected an integer from 1 to 1"),
                          (["--draft_loops=1", "--draft_len=0"], "drafting needs draft_len >= 1")):
         with pytest.raises(ValueError, match=message):
             ev.main(args + bad)
+
+
+def test_results_under_another_choice_are_kept_apart_and_the_table_shows_all_the_file_holds(tmp_path, capsys):
+    """bpb (the authors' protocol), then samples exact, then with one loop slot: each run keeps what
+    the others stored; the cache's samples go under samples[cache_slots=1], as the plan line says,
+    and each run prints the table of everything eval.json then holds, not only its own columns."""
+    _, _, step = save_checkpoint(tmp_path)
+    args = [str(tmp_path / "run"), "--device=cpu", "--loops=1,2", f"--val_files={tmp_path / 'val.parquet'}"]
+    bpb = ev.main(args + ["--modes=bpb"])
+    exact = ev.main(args + ["--modes=sample", "--sample_tokens=3"])
+    capsys.readouterr()
+    cached = ev.main(args + ["--modes=sample", "--sample_tokens=3", "--cache_slots=1"])
+    out = capsys.readouterr().out
+    assert "exact cache" not in out and "kept apart in eval.json as <metric>[cache_slots=1]" in out
+    saved = json.loads((step / "eval.json").read_text())["results"]
+    assert saved == {str(K): bpb[K] | exact[K] | {"samples[cache_slots=1]": cached[K]["samples[cache_slots=1]"]}
+                     for K in (1, 2)}
+    table = out[out.index(f"{step / 'eval.json'} now holds:"):]
+    for K in (1, 2):
+        assert f"| {K} |  | {bpb[K]['val_bpb']:.3f} |" in table  # the first run's numbers, printed
+    assert ("also held: val_bpb_utf8 at K=1,2; samples at K=1,2; samples[cache_slots=1] at K=1,2\n"
+            f"written to {step / 'eval.json'}") in table
 
 
 class Stop(Exception):
@@ -902,9 +930,11 @@ def test_a_split_smaller_than_requested_is_scored_once(tmp_path):
     assert n_targets == sum(len(tok.encode(t)) + 1 for t in VAL_TEXTS) - n_chunks > 5 * B * T  # each token once
     [run] = saved["runs"].values()
     assert run["measured"]["bpb"]["tokens"] == n_targets
+    # a protocol other than the authors': kept apart, labelled by the settings that made it
+    label = "[bpb_tokens=1000000,protocol_batch=2]"
     for K in (1, 2):
-        assert results[K]["val_bpb"] == pytest.approx(nats[K] / (math.log(2) * n_bytes), rel=1e-5)
-        assert results[K]["val_bpb_utf8"] == pytest.approx(nats[K] / (math.log(2) * n_utf8), rel=1e-5)
+        assert results[K][f"val_bpb{label}"] == pytest.approx(nats[K] / (math.log(2) * n_bytes), rel=1e-5)
+        assert results[K][f"val_bpb_utf8{label}"] == pytest.approx(nats[K] / (math.log(2) * n_utf8), rel=1e-5)
 
 
 def test_protocol_chunks_do_not_depend_on_the_processes(tmp_path):

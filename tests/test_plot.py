@@ -156,6 +156,33 @@ def test_sweep(tmp_path):
         plot.main(["sweep", *runs, "--metric", "hellaswag_zeroshot"])
 
 
+def test_depth_draws_task_accuracy_against_K_and_difficulty(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = []
+    for name, depth, loops in (("looped", 2, 4), ("deep", 8, 1)):
+        run = write_run(tmp_path, name, [1.0], loops=loops, depth=depth)
+        results = {str(K): {"task_acc": 0.1 * K * depth,
+                            "task_acc_by_difficulty": {str(d): 1 / (d + K) for d in (1, 2, 3)}}
+                   for K in (1, 2, 4, 8)}
+        (run / "step_000010").mkdir()
+        (run / "step_000010" / "eval.json").write_text(json.dumps({"results": results}))
+        runs.append(str(run))
+    fig = plot.main(["depth", *runs, "-o", str(tmp_path / "depth.png")])
+    by_k, by_level = fig.axes
+    assert lines_of(by_k)["FLT K=4, 2 blocks"] == ([1, 2, 4, 8], pytest.approx([0.2, 0.4, 0.8, 1.6]))
+    # by difficulty: at the trained K and the largest, for each run
+    drawn = lines_of(by_level)
+    assert set(drawn) == {"FLT K=4, 2 blocks at K=4", "FLT K=4, 2 blocks at K=8",
+                          "FLT K=1, 8 blocks at K=1", "FLT K=1, 8 blocks at K=8"}
+    assert drawn["FLT K=1, 8 blocks at K=8"] == ([1, 2, 3], pytest.approx([1 / 9, 1 / 10, 1 / 11]))
+    fig = plot.main(["depth", *runs, "--loops", "2", "-o", str(tmp_path / "two.png")])
+    assert {label.rpartition(" at ")[2] for label in lines_of(fig.axes[1])} == {"K=2"}
+    assert_png(tmp_path / "depth.png")
+    write_eval(tmp_path / "text" / "step_000010" / "eval.json", [1, 3])
+    with pytest.raises(ValueError, match="no task accuracy.*--modes=tasks"):
+        plot.main(["depth", str(tmp_path / "text")])
+
+
 def test_resid_skips_loops_a_run_does_not_have(tmp_path):
     pytest.importorskip("matplotlib")
     k3 = write_run(tmp_path, "k3", [1.0, 1.0], loops=3)  # resid_norms has 3 loops
