@@ -244,7 +244,8 @@ def exit_curves(evals, labels):
 def depth_curves(evals, labels, loops):
     """A reasoning task's accuracy (eval.py --modes=tasks): against K at evaluation, one line per
     run; and against the task's difficulty at each K of `loops` (default: the run's trained K and
-    its largest evaluated K), a line per run and K."""
+    its largest evaluated K; a run trained at K = 1, not looped, at K = 1 only), a line per run
+    and K."""
     plt = pyplot()
     fig, (by_k, by_level) = plt.subplots(1, 2, figsize=(11, 4.4))
     for i, (path, label) in enumerate(zip(evals, labels)):
@@ -256,7 +257,8 @@ def depth_curves(evals, labels, loops):
         by_k.plot(list(results), [r["task_acc"] for r in results.values()], "o-", color=f"C{i}",
                   label=label)
         trained = run_settings(path).get("loops")
-        shown = [K for K in loops or dict.fromkeys([trained, max(results)]) if K in results]
+        default = [trained] if trained == 1 else [trained, max(results)]
+        shown = [K for K in loops or dict.fromkeys(default) if K in results]
         for K, style in zip(shown, ("o-", "s--", "^:", "v-.")):
             levels = results[K]["task_acc_by_difficulty"]
             by_level.plot([int(d) for d in levels], list(levels.values()), style, color=f"C{i}",
@@ -270,7 +272,7 @@ def depth_curves(evals, labels, loops):
                  ylabel="exact-match accuracy", ylim=(0, 1.02))
     for ax in (by_k, by_level):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower left")
     return fig
 
 
