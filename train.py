@@ -123,21 +123,21 @@ tokens_per_fwdbwd = device_batch_size * sequence_len * world_size
 planning.check_grad_accum(total_batch_size, tokens_per_fwdbwd)
 grad_accum = total_batch_size // tokens_per_fwdbwd
 
-# The run directory: checked and locked (held while the run lives) before any data is built or
-# fetched; --dry_run plans without one
-run_lock = checkpoint.claim_out_dir(out_dir, resume, overwrite) if master and not dry_run else None
-
 # The model's shape from one integer (nanochat's): aspect_ratio (64) dimensions per layer, heads
-# of at most 128, so a deeper model is a wider one too; the vocabulary is the tokenizer's
-# (flt/inputs.py builds the embedded corpus's BPE here; --dry_run builds nothing).
-vocab_size = inputs.vocab_size(settings)
+# of at most 128, so a deeper model is a wider one too; GPTConfig checks it before any work
 n_embd = aspect_ratio * depth
 n_head = math.ceil(n_embd / 128)
 kv_heads = n_head if n_kv_head == -1 else n_kv_head
-config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
-                   n_head=n_head, n_kv_head=kv_heads, n_embd=n_embd, loops=loops,
-                   variant=variant, attn=attn, kv_rank=kv_rank, window_pattern=window_pattern,
-                   loss_all_loops=loss_all_loops, checkpoint_loops=checkpoint_loops)
+config = GPTConfig(sequence_len=sequence_len, n_layer=depth, n_head=n_head, n_kv_head=kv_heads,
+                   n_embd=n_embd, loops=loops, variant=variant, attn=attn, kv_rank=kv_rank,
+                   window_pattern=window_pattern, loss_all_loops=loss_all_loops,
+                   checkpoint_loops=checkpoint_loops)
+
+# The run directory: checked and locked (held while the run lives) before any data is built or
+# fetched; --dry_run plans without one
+run_lock = checkpoint.claim_out_dir(out_dir, resume, overwrite) if master and not dry_run else None
+# The vocabulary: the tokenizer's (flt/inputs.py builds the embedded corpus's BPE here)
+config.vocab_size = inputs.vocab_size(settings)
 # its size and cost, before any memory is spent: on the meta device
 with torch.device("meta"):
     sized = GPT(config)

@@ -36,7 +36,7 @@ from dataclasses import asdict, fields
 import torch
 
 from model import GPT, GPTConfig
-from flt import runtime
+from flt import errors, runtime
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
 # authors' code does. Format-1 weights were trained with the opposite rotation.
@@ -475,9 +475,31 @@ def prepare_out_dir(out_dir, resume, overwrite):
 
 
 def claim_out_dir(out_dir, resume, overwrite):
-    """prepare_out_dir, then lock_out_dir: returns the lock, to be kept while the run lives."""
+    """prepare_out_dir, then lock_out_dir: returns the lock, to be kept while the run lives. The
+    directories this call creates are removed again if the run ends on a user's error (a download
+    refused, a tokenizer that does not load) while they hold nothing but the lock."""
+    made = []
+    parent = os.path.abspath(out_dir)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
     prepare_out_dir(out_dir, resume, overwrite)
-    return lock_out_dir(out_dir)
+    lock = lock_out_dir(out_dir)
+    errors.on_user_error(lambda: remove_unused(made, lock))
+    return lock
+
+
+def remove_unused(made, lock):
+    """The directories `made` (innermost first), the lock's file in the innermost, removed if they
+    hold nothing else."""
+    if not made or os.listdir(made[0]) != [os.path.basename(lock.name)]:
+        return
+    lock.close()
+    os.remove(lock.name)
+    for path in made:
+        if os.listdir(path):
+            return
+        os.rmdir(path)
 
 
 def lock_out_dir(out_dir):

@@ -48,10 +48,23 @@ def explained(e):
     return f"{e}\n" + "".join(traceback.format_exception(e)).rstrip()
 
 
+# what a user's error ending the program undoes first (on_user_error): e.g. a run directory
+# checkpoint.claim_out_dir made, still empty
+UNDO = []
+
+
+def on_user_error(undo):
+    """Call undo() if the program ends on a user's error (report)."""
+    UNDO.append(undo)
+
+
 def report(program, e):
-    """The line on stderr (once per node: its local rank 0), and the process group, if any, ended."""
+    """The line on stderr (once per node: its local rank 0), what on_user_error registered undone,
+    and the process group, if any, ended."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(line(program, e), file=sys.stderr, flush=True)
+    while UNDO:
+        UNDO.pop()()
     dist = sys.modules.get("torch.distributed")  # imported by the program if it uses one
     if dist and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -282,3 +282,19 @@ def test_one_rank_without_space_stops_every_rank_and_keeps_the_older_checkpoint(
     for r in range(2):
         [state] = checkpoint.load_rank_states(step_dir, checkpoint.read_model_file(step_dir), r, 2)
         assert state["shard"].eq(r).all()
+
+
+def test_a_user_error_removes_the_run_directories_the_claim_made_while_unused(tmp_path):
+    """A run that ends on a user's error before writing anything leaves no directory behind; one
+    that wrote something, or a directory that existed before, is left as it is."""
+    from flt import errors
+    (tmp_path / "kept").mkdir()
+    lock = checkpoint.claim_out_dir(str(tmp_path / "kept" / "a" / "run"), False, False)
+    assert (tmp_path / "kept" / "a" / "run" / "run.lock").exists()
+    errors.report("train.py", ValueError("a download refused"))
+    assert lock.closed and os.listdir(tmp_path / "kept") == []
+    checkpoint.claim_out_dir(str(tmp_path / "used"), False, False)
+    (tmp_path / "used" / "log.jsonl").write_text("{}\n")
+    errors.report("train.py", ValueError("later"))
+    assert sorted(os.listdir(tmp_path / "used")) == ["log.jsonl", "run.lock"]
+    assert not errors.UNDO

@@ -42,6 +42,12 @@ def cases(t):
             ([f"--out_dir={w}/run", f"--data_dir={w}/data", f"--tokenizer={w}/nope.json"],
              f"tokenizer='{w}/nope.json'"),
             ([f"--out_dir={w}/run", f"--data_dir={file}"], f"data_dir={file}"),
+            # the model's shape, before the run directory and the corpus
+            ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--aspect_ratio=33"], "n_embd=99"),
+            ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--n_kv_head=5"], "n_kv_head=5"),
+            ([f"--out_dir={w}/run", "--dataset=s4"], "dataset='s4'"),
+            ([f"--out_dir={w}/run", "--dataset=chains", "--sample_tokens=0", "--sequence_len=16"],
+             "task_difficulty=8: a chains item of difficulty 8 needs 19 tokens"),
         ],
         "eval.py": [
             ([f"{w}/nope"], f"{w}/nope: no such checkpoint"),
