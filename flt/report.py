@@ -222,6 +222,9 @@ def parse(argv, defaults, source, modes):
     if draft_loops is not None:
         if "sample" not in run_modes:
             raise ValueError(f"--draft_loops={draft_loops!r}: only the sample mode decodes")
+        if min(loops_list) < 2:
+            raise ValueError(f"--draft_loops={draft_loops!r}: drafting needs every K of --loops to be "
+                             f"2 or more (K_d < K loops draft), and --loops holds {min(loops_list)}")
         if not isinstance(draft_loops, int) or not 1 <= draft_loops < min(loops_list):
             raise ValueError(f"--draft_loops={draft_loops!r}: expected an integer from 1 to "
                              f"{min(loops_list) - 1}, below the smallest loop budget K of "

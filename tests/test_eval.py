@@ -806,6 +806,7 @@ def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, 
     saved = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert saved == {str(K): exact[K] | drafted[K] for K in exact}
     for bad, message in ((["--draft_loops=2"], "expected an integer from 1 to 1"),
+                         (["--loops=1,2", "--draft_loops=1"], "every K of --loops to be 2 or more"),
                          (["--draft_loops=1", "--draft_len=0"], "drafting needs draft_len >= 1")):
         with pytest.raises(ValueError, match=message):
             ev.main(args + bad)
