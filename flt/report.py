@@ -315,6 +315,7 @@ def run_modes(plans, estimate, numerics, save, loops, log):
             f"; in all ~{minutes(sum(expected.values()))}")
     results, measured = {K: {} for K in loops}, {}
     for mode, (_, _, run) in planned.items():
+        start = time.perf_counter()
         try:
             with numerics:
                 by_K, measured[mode] = run()
@@ -322,6 +323,8 @@ def run_modes(plans, estimate, numerics, save, loops, log):
             failed[mode] = e
             log(f"eval.py: mode {mode!r} failed: {errors.explained(e)}", file=sys.stderr)
             continue
+        # the estimate beside what it estimated
+        log(f"{mode} took {minutes(time.perf_counter() - start)} (estimated ~{minutes(expected[mode])})")
         for K, r in by_K.items():
             results[K].update(r)
         save(results, measured)

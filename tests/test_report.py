@@ -124,9 +124,11 @@ def test_run_modes_plans_first_runs_the_rest_and_saves_after_each_mode():
                          "plan core   core inputs", "plan sample sample inputs",
                          "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; "
                          "in all ~3.0 min"]
+    # each mode's time beside its estimate
+    assert lines[5] == "bpb took 0 s (estimated ~1.0 min)" and lines[7].startswith("sample took 0 s (")
     # a bug keeps its traceback (flt/errors.py); the other modes still run
-    assert lines[5].startswith("eval.py: mode 'core' failed: core broke\nTraceback (most recent call last):\n")
-    assert lines[5].endswith("RuntimeError: core broke") and Numerics.entered == 3
+    assert lines[6].startswith("eval.py: mode 'core' failed: core broke\nTraceback (most recent call last):\n")
+    assert lines[6].endswith("RuntimeError: core broke") and Numerics.entered == 3
     assert results == {1: {"bpb": 1.0, "sample": 1.0}, 3: {"bpb": 3.0, "sample": 3.0}, 6: {}}
     assert measured == {"bpb": {"tokens": 3}, "sample": {"tokens": 6}} and list(failed) == ["wiki", "core"]
     assert [m for _, m in saved] == [{"bpb": {"tokens": 3}}, measured]  # after bpb, after sample
