@@ -92,7 +92,9 @@ def test_train_logs_its_records_and_settings_and_a_resume_continues_the_run(tmp_
     eval_id, _, _, history, summary = offline_run(offline()[2])
     results = json.loads((out / "step_000006" / "eval.json").read_text())["results"]
     assert eval_id == run_id and summary["eval/step"] == 6
-    assert summary["eval/val_bpb/K1"] == results["1"]["val_bpb"] and summary["eval/val_bpb/K3"] == results["3"]["val_bpb"]
+    # bpb_tokens off eval.py's default: its results are labelled, in eval.json and W&B alike
+    label = "val_bpb[bpb_tokens=512]"
+    assert summary[f"eval/{label}/K1"] == results["1"][label] and summary[f"eval/{label}/K3"] == results["3"][label]
 
 
 NO_WANDB = "import sys\nsys.modules['wandb'] = None  # as if not installed: `import wandb` fails\n"

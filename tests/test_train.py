@@ -472,7 +472,8 @@ def test_core_during_training_equals_eval_on_the_same_weights(tmp_path, data_dir
                f"--bundle_dir={bundle}", "--device=cpu")
     assert p.returncode == 0, p.stderr
     saved = json.loads((out / "step_000006" / "eval.json").read_text())
-    assert saved["results"]["3"]["CORE"] == pytest.approx(core[6], abs=1e-12)
+    # max_per_task off eval.py's default: kept under its label
+    assert saved["results"]["3"]["CORE[max_per_task=4]"] == pytest.approx(core[6], abs=1e-12)
 
 
 # Each rank writes the precision its Muon runs Newton-Schulz in.
@@ -556,7 +557,9 @@ def test_eval_computes_the_function_training_computed(tmp_path, data_dir):
                    f"--val_files={val}", "--device=cpu", f"--dtype={dtype}", "--protocol_ranks=1", "--protocol_batch=4",
                    f"--out={tmp_path / (dtype or 'trained')}.json")
         assert p.returncode == 0, p.stderr
-        bpb = json.loads((tmp_path / f"{dtype or 'trained'}.json").read_text())["results"]["3"]["val_bpb"]
+        results = json.loads((tmp_path / f"{dtype or 'trained'}.json").read_text())["results"]["3"]
+        # the protocol off eval.py's default: kept under its label
+        bpb = results["val_bpb[bpb_tokens=1024,protocol_ranks=1]"]
         assert (bpb == records[-1]["final_val_bpb"]) is same, (dtype, bpb, records[-1]["final_val_bpb"])
 
 
