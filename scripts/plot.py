@@ -222,17 +222,21 @@ def sweep(evals, labels, name=None):
     return fig
 
 
-def exit_curves(evals, labels):
+def exit_curves(evals, labels, label=None):
     """Depth per token: val bpb against loops per token, for each run its fixed-K sweep (every token
-    runs K loops) and its exit rule's curve (mean loops per token over eval.py's exit_thresholds)."""
+    runs K loops) and its exit rule's curve (mean loops per token over eval.py's exit_thresholds).
+    label: the results eval.py kept apart under it (e.g. "bpb_tokens=32768"), not the defaults."""
+    bpb, exit = (f"val_bpb[{label}]", f"exit[{label}]") if label else ("val_bpb", "exit")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for i, (path, label) in enumerate(zip(evals, labels)):
         results = read_eval(path)
-        fixed = {K: r["val_bpb"] for K, r in results.items() if "val_bpb" in r}
-        curve = sorted((p["mean_loops"], p["val_bpb"]) for r in results.values() for p in r.get("exit", ()))
+        fixed = {K: r[bpb] for K, r in results.items() if bpb in r}
+        curve = sorted((p["mean_loops"], p["val_bpb"]) for r in results.values() for p in r.get(exit, ()))
         if not curve:
-            raise ValueError(f"{path}: no exit curve in its eval.json; run eval.py --modes=bpb,exit --exit_thresholds=...")
+            kept = sorted({k for r in results.values() for k in r if k.startswith("exit[")})
+            raise ValueError(f"{path}: no {exit} curve in its eval.json; run eval.py --modes=bpb,exit "
+                             f"--exit_thresholds=..." + (f" (it holds {', '.join(kept)}: --label)" if kept else ""))
         ax.plot(list(fixed), list(fixed.values()), "o--", color=f"C{i}", label=f"{label}: K loops for every token")
         ax.plot(*zip(*curve), "s-", color=f"C{i}", label=f"{label}: exit rule (mean loops per token)")
     ax.set(title="Loops per token against val bpb", xlabel="loops per token", ylabel="val bpb")
@@ -318,7 +322,7 @@ def main(argv):
              "grads": "gradient norms of the LM head and the 5th layer's FFN and attention (Fig. 8)",
              "core": "CORE during training (Fig. 9)",
              "exit": "val bpb against loops per token: fixed K and the exit rule (eval.py --modes=bpb,exit)",
-             "depth": "a reasoning task's accuracy against K and against difficulty (eval.py --modes=tasks)",
+             "depth": "a reasoning task's accuracy against K and difficulty (eval.py --modes=tasks)",
              "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)"}
     for command, text in helps.items():
         p = commands.add_parser(command, help=text, description=text)
@@ -329,6 +333,8 @@ def main(argv):
     commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
                                            "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
+    commands.choices["exit"].add_argument("--label", help="draw the results eval.py kept apart under this "
+                                          "label (e.g. bpb_tokens=32768) instead of the default ones")
     commands.choices["depth"].add_argument("--loops", nargs="+", type=int, default=[], help="the Ks whose accuracy by "
                                            "difficulty is drawn (default: the trained K and the largest)")
     for command in ("diag", "grads"):
@@ -356,7 +362,7 @@ def main(argv):
     if args.command == "sweep":
         fig = sweep(args.runs, labels, args.metric)
     elif args.command == "exit":
-        fig = exit_curves(args.runs, labels)
+        fig = exit_curves(args.runs, labels, args.label)
     elif args.command == "depth":
         fig = depth_curves(args.runs, labels, args.loops)
     else:

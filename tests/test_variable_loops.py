@@ -254,6 +254,14 @@ def test_plot_exit_draws_both_curves_per_run(tmp_path):
     assert list(gated.get_xdata()) == [2.4, 6] and list(gated.get_ydata()) == [2.5, 2.3]
     assert fixed.get_label() == "FLT K=4 (uniform): K loops for every token"
     assert os.path.isfile(tmp_path / "exit.png")
+    # results eval.py kept apart under a label (a protocol off its default): drawn with --label
+    labelled = {K: {f"{key}[bpb_tokens=512]": v for key, v in r.items()} for K, r in results.items()}
+    (run / "step_000010" / "eval.json").write_text(json.dumps({"results": labelled}))
+    with pytest.raises(ValueError, match=r"no exit curve .*it holds exit\[bpb_tokens=512\]: --label"):
+        plot.main(["exit", str(run), "-o", str(tmp_path / "exit.png")])
+    fig = plot.main(["exit", str(run), "--label", "bpb_tokens=512", "-o", str(tmp_path / "exit.png")])
+    fixed, gated = fig.axes[0].get_lines()
+    assert list(fixed.get_ydata()) == [2.6, 2.4, 2.35] and list(gated.get_ydata()) == [2.5, 2.3]
 
 
 def test_a_position_exits_when_kl_of_the_previous_loop_from_the_current_is_below_the_threshold():
