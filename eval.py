@@ -181,9 +181,10 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
 # ----------------------------------------------------------------------------- reasoning tasks
 @torch.no_grad()
 def evaluate_tasks(model, batches, levels, loops_list, progress=None):
-    """({K: {difficulty: exact-match accuracy}}, {difficulty: answers}) on a synthetic task's test
-    batches (x, y, difficulty) (flt/tasks.py): the share of the answers (targets >= 0) of each
-    difficulty in `levels` whose argmax is right, every K from one forward. All-reduced."""
+    """({K: {difficulty: exact-match accuracy}}, {K: over all answers}, {difficulty: answers}) on a
+    synthetic task's test batches (x, y, difficulty) (flt/tasks.py): the share of the answers
+    (targets >= 0) of each difficulty in `levels` whose argmax is right, every K from one forward.
+    All-reduced."""
     device = next(model.parameters()).device
     # per K: the right answers at each difficulty; the last row: the answers of each difficulty
     sums = torch.zeros(len(loops_list) + 1, max(levels) + 1, dtype=torch.float64, device=device)
@@ -199,7 +200,8 @@ def evaluate_tasks(model, batches, levels, loops_list, progress=None):
     runtime.all_reduce_sum(sums)
     *right, answers = sums.tolist()
     accuracy = {K: {d: r[d] / answers[d] for d in levels} for K, r in zip(loops_list, right)}
-    return accuracy, {d: int(answers[d]) for d in levels}
+    overall = {K: sum(r) / sum(answers) for K, r in zip(loops_list, right)}
+    return accuracy, overall, {d: int(answers[d]) for d in levels}
 
 
 # ----------------------------------------------------------------------------- WikiText-2

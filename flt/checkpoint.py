@@ -25,6 +25,7 @@ The rules, each one a test in tests/test_train.py:
 """
 import errno
 import fcntl
+import functools
 import json
 import math
 import os
@@ -485,17 +486,17 @@ def claim_out_dir(out_dir, resume, overwrite):
         parent = os.path.dirname(parent)
     prepare_out_dir(out_dir, resume, overwrite)
     lock = lock_out_dir(out_dir)
-    errors.on_user_error(lambda: remove_unused(made, lock))
+    # the paths only: holding the lock here would keep it from being released with the run
+    errors.on_user_error(functools.partial(remove_unused, made, lock.name))
     return lock
 
 
-def remove_unused(made, lock):
+def remove_unused(made, lock_path):
     """The directories `made` (innermost first), the lock's file in the innermost, removed if they
-    hold nothing else."""
-    if not made or os.listdir(made[0]) != [os.path.basename(lock.name)]:
+    hold nothing else (an open lock's file can be removed: the process is ending)."""
+    if not made or os.listdir(made[0]) != [os.path.basename(lock_path)]:
         return
-    lock.close()
-    os.remove(lock.name)
+    os.remove(lock_path)
     for path in made:
         if os.listdir(path):
             return

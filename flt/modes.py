@@ -189,14 +189,13 @@ def tasks_mode(c, ctx):
 
     def run():
         progress = progress_of(ctx, f"{task.name} accuracy", len(batches))
-        accuracy, answers = ctx.metrics.tasks(ctx.model, batches, task.levels, ctx.loops, progress)
-        total = sum(answers.values())
+        accuracy, overall, answers = ctx.metrics.tasks(ctx.model, batches, task.levels, ctx.loops,
+                                                       progress)
         results = {}
         for K, by_level in accuracy.items():
-            mean = sum(a * answers[d] for d, a in by_level.items()) / total
             levels = {str(d): a for d, a in by_level.items()}
-            results[K] = {"task_acc": mean, "task_acc_by_difficulty": levels}
-            print0(f"{task.name} K={K}: accuracy {mean:.4f}; by difficulty "
+            results[K] = {"task_acc": overall[K], "task_acc_by_difficulty": levels}
+            print0(f"{task.name} K={K}: accuracy {overall[K]:.4f}; by difficulty "
                    + " ".join(f"{d}:{a:.2f}" for d, a in levels.items()))
         return results, {"task": task.name, "difficulty": task.D, "items": c.task_items,
                          "answers": {str(d): n for d, n in answers.items()}}

@@ -49,16 +49,24 @@ NAMES = sorted(set(tokenizers.pre_tokenizers.ByteLevel.alphabet()) - set(DIGITS)
 
 class Task:
     """A task fixed by its settings: name, difficulty D, sequence_len T. Items pack whole into rows
-    of T tokens (padded with bos, target -1)."""
+    of T tokens (padded with bos, target -1). A ValueError names the setting if they cannot."""
 
     def __init__(self, name, difficulty, seq_len):
         self.name, self.D, self.T = name, difficulty, seq_len
+        if difficulty < 1:
+            raise ValueError(f"task_difficulty={difficulty}: expected a positive integer")
         if name == "chains":
             self.chains = (seq_len - 1) // (2 * (difficulty + 1))
             self.item_len = 1 + 2 * self.chains * (difficulty + 1)
             # twice the variables an item uses, so names carry no position
-            self.symbols = list(DIGITS) + NAMES[:2 * self.chains * (difficulty + 1)]
+            n_names = 2 * self.chains * (difficulty + 1)
+            if n_names > len(NAMES):
+                raise ValueError(f"sequence_len={seq_len}: chains of difficulty {difficulty} would "
+                                 f"need more than {len(NAMES)} variable names; use sequence_len <= "
+                                 f"{len(NAMES) + 1}")
+            self.symbols = list(DIGITS) + NAMES[:n_names]
             self.levels = list(range(difficulty + 1))
+            need = 1 + 2 * (difficulty + 1)
         else:
             n = int(name[1])
             self.perms = list(itertools.permutations(range(n)))
@@ -66,6 +74,10 @@ class Task:
             self.item_len = 1 + difficulty
             self.symbols = NAMES[:len(self.perms)]
             self.levels = list(range(1, difficulty + 1))
+            need = self.item_len
+        if need > seq_len:
+            raise ValueError(f"task_difficulty={difficulty}: a {name} item of difficulty "
+                             f"{difficulty} needs {need} tokens, more than sequence_len={seq_len}")
         self.per_row = seq_len // self.item_len
 
     def item(self, rng):
@@ -232,17 +244,8 @@ def check_settings(s, defaults):
             raise ValueError(f"task_difficulty={s['task_difficulty']} does nothing unless dataset "
                              f"is a task ({', '.join(TASKS)})")
         return
-    D, T = s["task_difficulty"], s["sequence_len"]
-    if D < 1:
-        raise ValueError(f"task_difficulty={D}: expected a positive integer")
-    need = 2 * (D + 1) + 1 if s["dataset"] == "chains" else D + 1
-    if need > T:
-        raise ValueError(f"task_difficulty={D}: a {s['dataset']} item of difficulty {D} needs "
-                         f"{need} tokens, more than sequence_len={T}")
-    chains = (T - 1) // (2 * (D + 1))
-    if s["dataset"] == "chains" and 2 * chains * (D + 1) > len(NAMES):
-        raise ValueError(f"sequence_len={T}: chains of difficulty {D} would need more than "
-                         f"{len(NAMES)} variable names; use sequence_len <= {len(NAMES) + 1}")
+    # the task's own checks: a difficulty its items can hold in sequence_len
+    get(s)
     if s["sample_tokens"]:
         raise ValueError(f"sample_tokens={s['sample_tokens']}: dataset={s['dataset']!r} has no "
                          "text to continue; set sample_tokens=0 (config/reasoning.py does)")

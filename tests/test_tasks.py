@@ -145,7 +145,7 @@ def test_accuracy_equals_a_hand_count():
     task = task_of("chains", 2, 20)
     model = tiny_model(task)
     batches = task.batches(13 * task.item_len, 5, difficulty=True)
-    accuracy, answers = evaluation.evaluate_tasks(model, batches, task.levels, [1, 3])
+    accuracy, overall, answers = evaluation.evaluate_tasks(model, batches, task.levels, [1, 3])
     for K in (1, 3):
         right, count = {d: 0 for d in task.levels}, {d: 0 for d in task.levels}
         for x, y, d in batches:
@@ -157,6 +157,7 @@ def test_accuracy_equals_a_hand_count():
                     right[int(d[b, t])] += int(pred[b, t] == y[b, t])
         assert answers == count and sum(count.values()) == 13 * 3 * 3
         assert accuracy[K] == {level: right[level] / count[level] for level in task.levels}
+        assert overall[K] == pytest.approx(sum(right.values()) / sum(count.values()), abs=1e-15)
     assert accuracy[1] != accuracy[3]
 
 
@@ -165,10 +166,10 @@ def test_the_one_pass_K_sweep_equals_separate_passes(variant):
     task = task_of("s3", 6, 14)
     model = tiny_model(task, variant, loops=3)
     batches = task.batches(40 * task.item_len, 8, difficulty=True)
-    swept, _ = evaluation.evaluate_tasks(model, batches, task.levels, [1, 2, 3, 6, 12])
+    swept, swept_all, _ = evaluation.evaluate_tasks(model, batches, task.levels, [1, 2, 3, 6, 12])
     for K in (1, 2, 3, 6, 12):
-        alone, _ = evaluation.evaluate_tasks(model, batches, task.levels, [K])
-        assert alone[K] == swept[K]
+        alone, alone_all, _ = evaluation.evaluate_tasks(model, batches, task.levels, [K])
+        assert alone[K] == swept[K] and alone_all[K] == swept_all[K]
 
 
 SETTINGS = dict(dataset="chains", task_difficulty=4, sequence_len=64, tokenizer="bpe",
