@@ -6,8 +6,9 @@ Plain looping (LT) is unstable: the residual stream grows with every loop and tr
 at high K. The paper's fix, FLT, restarts every loop from the normalised embedding norm(e) and
 lets the previous loop steer each layer's attention (queries from its output, keys/values from
 the current stream), so what a loop reads is bounded by softmax. Read top to bottom: config,
-norm/RoPE, attention, MLP, block, the two variant choices, the model. Its loop_states is the
-loop; decoding's KV cache and the exit rule are in flt/decoding.py.
+norm/RoPE, attention, MLP, block, the two variant choices, how a call runs its loops (LoopRun),
+the model. GPT.loop_states is the loop; decoding's KV cache, the exit rule, LoopSpan (which loops
+a call runs) and drafting are in flt/decoding.py.
 
 Five variants, two choices, one loop body (GPT.loop_states); for loop t >= 2:
   restart(variant, e, x0, h_prev)  its start: h_prev (LT), norm(e + h_prev) (LT_i), x0 = norm(e)
@@ -25,11 +26,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:
-    from flt.decoding import ExitRule, KVCache, attention_mask, check_inputs
+    from flt.decoding import ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
     from flt.decoding import check_draft, choose, draft_and_verify
 except ImportError:
     # a Hugging Face export (scripts/export_hf.py) has decoding.py beside model.py
-    from .decoding import ExitRule, KVCache, attention_mask, check_inputs
+    from .decoding import ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
     from .decoding import check_draft, choose, draft_and_verify
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
@@ -234,6 +235,60 @@ class Loops(NamedTuple):
     exit_loops: torch.Tensor | None = None
 
 
+class LoopRun:
+    """How one call of GPT.loop_states runs its loops, each duty one line in the loop: the RoPE
+    positions of its tokens, decoding's KV cache, the exit rule, truncated backprop (the span's
+    bptt_loops) and checkpoint_loops; KVCache, ExitRule and LoopSpan live in flt/decoding.py. A
+    forward with the exit rule gets a KV cache of its own, so it computes what cached decoding
+    computes. finish() returns the pass's Loops and moves the cache past this call's tokens."""
+
+    def __init__(self, model, idx, span, kv_cache=None, exit_threshold=None):
+        self.model = model
+        self.span = span
+        self.T = idx.size(1)
+        # the RoPE table's length, the cache's capacity and loops, bptt_loops: ValueErrors
+        check_inputs(self.T, span.K, kv_cache, span.bptt_loops, model.cos.size(0),
+                     model.config.sequence_len)
+        # the exit rule (Huginn's KL exit) keeps the keys/values of exited positions in a cache
+        if exit_threshold is not None and kv_cache is None:
+            kv_cache = KVCache(idx.size(0), span.K, model.config, capacity=self.T)
+        self.cache = kv_cache
+        # it does nothing without a threshold
+        self.exits = ExitRule(exit_threshold, idx, model.head, kv_cache)
+        # RoPE positions of this call's tokens
+        at = slice(0, self.T) if kv_cache is None else kv_cache.positions(self.T)
+        self.rope = (model.cos[at], model.sin[at])
+
+    def gradients(self, t):
+        """Truncated backprop (Huginn): the loops before the last bptt_loops run as constants."""
+        K, bptt_loops = self.span.K, self.span.bptt_loops
+        early = bptt_loops is not None and t < K - bptt_loops
+        return torch.no_grad() if early else nullcontext()
+
+    def blocks(self, t, x, h_prev):
+        """Loop t's L blocks from x. checkpoint_loops: backward recomputes them from x, h(t-1)."""
+        if self.model.config.checkpoint_loops and self.model.training and torch.is_grad_enabled():
+            return checkpoint(self.layers, t, x, h_prev, self.exits.done, use_reentrant=False)
+        return self.layers(t, x, h_prev, self.exits.done)
+
+    def layers(self, t, x, h_prev, done):
+        # from loop 2 on, layer i sees h(t-1) as injection() says
+        for i, block in enumerate(self.model.transformer.h):
+            inject = injection(self.model.config.variant, i) if t > 0 else None
+            if self.cache is None:
+                x = block(x, self.rope, h_prev, inject)
+            else:
+                # decoding runs eagerly: its shapes change every step (compiled: recompiles)
+                cache = partial(self.cache.update, t, i, done=done)
+                x = block.forward(x, self.rope, h_prev, inject, cache)
+        return x
+
+    def finish(self, hs, norms):
+        if self.cache is not None:
+            self.cache.pos += self.T
+        return Loops(hs, torch.stack(norms), self.exits.exit_loops)
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -271,67 +326,35 @@ class GPT(nn.Module):
             else:
                 nn.init.uniform_(p, -s, s)
 
-    def loop_states(self, idx, loops=None, kv_cache=None, bptt_loops=None, exit_threshold=None,
-                    part=None):
+    def loop_states(self, idx, loops=None, kv_cache=None, exit_threshold=None):
         """The loop (Sec. 4), one body for all five variants. Returns Loops: the states
         [h(1), ..., h(K)] of one pass, h(t) = norm(stream after loop t), each a prediction point
-        (`head`). kv_cache: decoding's KVCache, this call's tokens written at its pos.
-        bptt_loops: backpropagate through the last bptt_loops loops only (None: every loop).
-        exit_threshold: depth per token (ExitRule), at most K loops. A full forward with the
-        exit rule gets a KV cache of its own, so it computes what cached decoding computes.
-        part=(first, last, h): only loops first+1..last, from h = h(first), their states
-        returned; kv_cache holds the first loops of these tokens (draft decoding, decoding.py)."""
-        K, (B, T) = self.loop_count(loops), idx.shape
-        # the RoPE table's length, the cache's capacity and loops, bptt_loops: ValueErrors
-        check_inputs(T, K, kv_cache, bptt_loops, self.cos.size(0), self.config.sequence_len)
-        first, last, h_first = (0, K, None) if part is None else part
-        # the exit rule (Huginn's KL exit) keeps the keys/values of exited positions in a cache
-        if exit_threshold is not None and kv_cache is None:
-            kv_cache = KVCache(B, K, self.config, capacity=T)
-        # it does nothing without a threshold
-        exits = ExitRule(exit_threshold, idx, self.head, kv_cache)
-        # RoPE positions of this call's tokens
-        at = slice(0, T) if kv_cache is None else kv_cache.positions(T)
-        rope = (self.cos[at], self.sin[at])
+        (`head`). loops: K, or a LoopSpan (flt/decoding.py), some of a K-loop pass's loops (the
+        draft's) or truncated backprop (forward's bptt_loops). kv_cache: decoding's KVCache, this
+        call's tokens written at its pos. exit_threshold: depth per token (ExitRule), at most K
+        loops. How each loop runs (cache, exit, checkpoint_loops, bptt_loops): LoopRun."""
+        span = loops if isinstance(loops, LoopSpan) else LoopSpan(self.loop_count(loops))
+        run = LoopRun(self, idx, span, kv_cache, exit_threshold)
         # e: the raw embedding; loop 1 starts from x0 = norm(e), in every variant
         e = self.transformer.wte(idx)
         x0 = norm(e)
         hs, norms = [], []
-
-        def blocks(x, h_prev, t, done):
-            # loop t's L blocks; from loop 2 on, layer i sees h(t-1) as injection() says
-            for i, block in enumerate(self.transformer.h):
-                inject = injection(self.config.variant, i) if t > 0 else None
-                if kv_cache is None:
-                    x = block(x, rope, h_prev, inject)
-                else:
-                    # decoding runs eagerly: its shapes change every step (compiled: recompiles)
-                    cache = partial(kv_cache.update, t, i, done=done)
-                    x = block.forward(x, rope, h_prev, inject, cache)
-            return x
-
         # t counts from 0: t = 0 is the paper's loop 1
-        for t in range(first, last):
-            h_prev = hs[-1] if hs else h_first
-            # truncated backprop (Huginn): the loops before the last bptt_loops are constants
-            early = bptt_loops is not None and t < K - bptt_loops
-            with torch.no_grad() if early else nullcontext():
+        for t in span.loops():
+            h_prev = hs[-1] if hs else span.h_start
+            # truncated backprop: only the last bptt_loops loops learn
+            with run.gradients(t):
                 # where loop t starts: norm(e) in loop 1, then the variant's restart
                 x = x0 if t == 0 else restart(self.config.variant, e, x0, h_prev)
-                # checkpoint_loops: backward recomputes the loop from x and h(t-1)
-                if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
-                    x = checkpoint(blocks, x, h_prev, t, exits.done, use_reentrant=False)
-                else:
-                    x = blocks(x, h_prev, t, exits.done)
+                # the L blocks, each seeing h(t-1) as injection() says (cached, checkpointed)
+                x = run.blocks(t, x, h_prev)
             # the residual stream's norm (Sec. 3, Fig. 2), then h(t) = norm(x)
             norms.append(x.detach().float().norm(dim=-1).mean())
             hs.append(norm(x))
             # the exit rule: stop once no position loops on
-            if exits.update(hs):
+            if run.exits.update(hs):
                 break
-        if kv_cache is not None:
-            kv_cache.pos += T
-        return Loops(hs, torch.stack(norms), exits.exit_loops)
+        return run.finish(hs, norms)
 
     def head(self, h):
         # padded ids are never predicted; the logit softcap is computed in fp32
@@ -348,7 +371,8 @@ class GPT(nn.Module):
         a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
         return_loops=True: (that output, the pass's Loops), e.g.
         `loss, looped = model(x, y, return_loops=True)` for looped.resid_norms."""
-        looped = self.loop_states(idx, loops, kv_cache, bptt_loops, exit_threshold)
+        span = LoopSpan(self.loop_count(loops), bptt_loops=bptt_loops)
+        looped = self.loop_states(idx, span, kv_cache=kv_cache, exit_threshold=exit_threshold)
         every = all_loops or (targets is not None and self.config.loss_all_loops)
         # the other loops cost no head FLOPs unless asked for
         hs = looped.states if every else looped.states[-1:]
@@ -368,7 +392,7 @@ class GPT(nn.Module):
         its m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states).
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
-        all K (decoding.py): the same tokens, or at a temperature the same distribution."""
+        all K (flt/decoding.py): the same tokens, or at a temperature the same distribution."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")

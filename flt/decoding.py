@@ -1,5 +1,6 @@
 """Support for model.py's loop: the attention mask, decoding's KV cache of loop slots, the exit
-rule (depth per token) and the checks of a forward's inputs. A reader of the loop (GPT.loop_states)
+rule (depth per token), which loops a call runs (LoopSpan), drafting with fewer loops, and the
+checks of their settings, each written once. A reader of the loop (model.py: GPT.loop_states)
 meets each as one name; their bookkeeping lives here.
 
     mask = attention_mask(n_q, n_k, pos, window, device)  # True = visible (causal, window, padding)
@@ -7,9 +8,13 @@ meets each as one name; their bookkeeping lives here.
     k, v, mask = cache.update(loop, layer, k, v, window)  # what a layer attends to while decoding
     exits = ExitRule(threshold, idx, head, cache)         # Huginn's KL exit, per position
     stop = exits.update(hs)                               # after each loop: True once all exited
+    span = LoopSpan(K, start=K_d, h_start=h)              # loops K_d+1..K, from h(K_d)
+    check_draft(K, draft_loops, draft_len)                # a ValueError naming the bad setting
 
 This file needs torch alone: scripts/export_hf.py copies it beside model.py into a Hugging Face
 folder, where model.py imports it as `.decoding`."""
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +30,24 @@ def attention_mask(n_q, n_k, pos, window, device, pad=None):
         # a padding query sees itself: a softmax over no key at all would be NaN
         visible = visible & ((j >= pad[:, None, None, None]) | (i == j))
     return visible
+
+
+class LoopSpan(NamedTuple):
+    """Which loops of a K-loop pass a call of GPT.loop_states runs, from what, and which learn.
+    It runs loops start+1..stop (the paper's numbering; stop None: K) from h_start = h(start), None
+    when it starts at loop 1. Drafting runs a token's loops 1..K_d, LoopSpan(K, stop=K_d), and
+    later its loops K_d+1..K, LoopSpan(K, start=K_d, h_start=h(K_d)), the first K_d loops' keys and
+    values already in the cache. bptt_loops: truncated backprop (Huginn), only the last bptt_loops
+    loops learn, the earlier run as constants (None: every loop). LoopSpan(K): the whole pass."""
+    K: int
+    start: int = 0
+    stop: int | None = None
+    h_start: torch.Tensor | None = None
+    bptt_loops: int | None = None
+
+    def loops(self):
+        """The loops t to run, counted from 0 (t = 0 is the paper's loop 1)."""
+        return range(self.start, self.K if self.stop is None else self.stop)
 
 
 def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
@@ -46,6 +69,16 @@ def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
         raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
 
 
+def check_cache_slots(cache_slots, K, prefix=""):
+    """A ValueError naming {prefix}cache_slots unless it is None (K slots, exact) or an integer from
+    1 to K: decoding at K loops keeps 1 to K loop slots per layer (KVCache). prefix: "" for a
+    keyword argument, "--" for a command-line setting."""
+    if cache_slots is not None and not (isinstance(cache_slots, int) and 1 <= cache_slots <= K):
+        raise ValueError(f"{prefix}cache_slots={cache_slots!r}: expected an integer 1 to loops={K} "
+                         f"(decoding at K={K} loops keeps 1 to {K} loop slots per layer), "
+                         f"or None ({K} slots, exact)")
+
+
 class KVCache:
     """Keys and values per (loop slot, layer), each loop's from its own stream. K slots (K*L
     entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t uses slot t mod m,
@@ -57,9 +90,8 @@ class KVCache:
         self.loops = loops
         self.n_layer = config.n_layer
         self.pos = 0
+        check_cache_slots(cache_slots, loops)
         self.cache_slots = loops if cache_slots is None else cache_slots
-        if not (isinstance(self.cache_slots, int) and 1 <= self.cache_slots <= loops):
-            raise ValueError(f"cache_slots={cache_slots!r}: expected an integer 1 to loops={loops}")
         self.capacity = capacity or config.sequence_len
         self.shape = (B, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
         # (slot, layer) -> (k, v), each (B, H_kv, capacity, D), made when first written
@@ -165,7 +197,7 @@ class ExitRule:
 # Self-speculative decoding. Loop t reads only loops 1..t-1 and the cache's slots up to t, so the
 # first K_d loops of a K-loop forward are a K_d-loop forward, keys and values included: a token
 # is drafted with loops 1..K_d, and draft_len drafted tokens are verified at once by loops
-# K_d+1..K, continued from their h(K_d) (GPT.loop_states(part=...)). No loop runs twice.
+# K_d+1..K, continued from their h(K_d) (GPT.loop_states with a LoopSpan). No loop runs twice.
 
 def token_probs(logits, temperature, top_k=None):
     """The distribution a token is sampled from: softmax(logits / temperature), top_k kept."""
@@ -204,19 +236,28 @@ def accept(p, q, draft, rng):
     return kept, torch.where(kept, draft, resampled)
 
 
-def check_draft(K, draft_loops, draft_len, cache_slots, exit_threshold):
-    """A ValueError naming the setting unless drafting with draft_loops of K loops can run."""
+def check_draft(K, draft_loops, draft_len, cache_slots=None, exit_threshold=None, prefix=""):
+    """A ValueError unless drafting with draft_loops = K_d of K loops can run, naming only the
+    settings that refuse it and the true bound: 1 <= K_d <= K - 1, so K_d loops need K >= K_d + 1;
+    draft_len >= 1; the exact cache (cache_slots None or K); no exit rule. prefix: "" for
+    generate()'s keyword arguments, "--" for command-line settings (eval.py)."""
+    drafts = f"{prefix}draft_loops={draft_loops!r}"
+    # the true bound, 1 <= K_d <= K - 1
     if not isinstance(draft_loops, int) or not 1 <= draft_loops < K:
-        raise ValueError(f"draft_loops={draft_loops!r}: expected an integer from 1 to "
-                         f"loops - 1 = {K - 1} (the draft runs fewer loops than K={K})")
+        allowed = f"an integer from 1 to {K - 1}" if K > 1 else "none: K=1 has no fewer loops"
+        raise ValueError(f"{drafts}: the draft runs fewer loops than K={K}, so K_d loops need "
+                         f"K >= K_d + 1; allowed: {allowed}")
     if not isinstance(draft_len, int) or draft_len < 1:
-        raise ValueError(f"draft_len={draft_len!r}: expected an integer >= 1")
+        raise ValueError(f"{prefix}draft_len={draft_len!r}: expected an integer >= 1, the tokens "
+                         "drafted a round")
     if cache_slots not in (None, K):
-        raise ValueError(f"draft_loops with cache_slots={cache_slots}: drafting needs the exact "
-                         f"cache (cache_slots={K}), where loop t's keys are loop t's own")
+        raise ValueError(f"{prefix}cache_slots={cache_slots!r} with {drafts}: drafting needs the "
+                         f"exact cache ({prefix}cache_slots={K} or None), where loop t's keys are "
+                         "loop t's own")
     if exit_threshold is not None:
-        raise ValueError("draft_loops with exit_threshold: a token's depth is either drafted "
-                         "and verified, or chosen by the exit rule; use one of the two")
+        raise ValueError(f"{prefix}exit_threshold={exit_threshold!r} with {drafts}: a token's "
+                         "depth is either drafted and verified, or chosen by the exit rule; use one "
+                         "of the two")
 
 
 def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temperature=0.0,
@@ -239,7 +280,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
         fed, states, drafts, q = [token], [], [], []
         for i in range(n):
-            h = model.loop_states(fed[-1], K, cache, part=(0, K_d, None)).states[-1]
+            h = model.loop_states(fed[-1], LoopSpan(K, stop=K_d), cache).states[-1]
             states.append(h)
             logits = model.head(h)[:, -1]
             drafts.append(choose(logits, temperature, top_k, rng))
@@ -249,7 +290,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
                 fed.append(drafts[-1])
         # the verification: loops K_d+1..K of the n fed tokens in one forward, at their positions
         cache.pos = start
-        h = model.loop_states(torch.cat(fed, 1), K, cache, part=(K_d, K, torch.cat(states, 1)))
+        rest = LoopSpan(K, start=K_d, h_start=torch.cat(states, 1))
+        h = model.loop_states(torch.cat(fed, 1), rest, cache)
         logits = model.head(h.states[-1])
         drafts = torch.cat(drafts, 1)
         if temperature == 0:

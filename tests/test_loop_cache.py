@@ -1,9 +1,10 @@
-"""The loop cache (model.KVCache's cache_slots): m loop slots per layer, 1 <= m <= K, loop t reading and
-writing slot t mod m (Huginn's shared cache, Geiping et al. 2025). m = K is the exact cache of K*L entries
-and the default. For m < K, cached decoding is checked against `slot_reference`: an independent float64
-rewrite of decoding that keeps every token's keys/values of every loop in a plain list, no KVCache, and
-lets each forward see an earlier token as the slot rule says (the last loop to write its slot). The
-backbone and variants are the paper's (Sec. 4); the exit rule is Huginn's KL rule (model.ExitRule)."""
+"""The loop cache (flt/decoding.py: KVCache's cache_slots): m loop slots per layer, 1 <= m <= K,
+loop t reading and writing slot t mod m (Huginn's shared cache, Geiping et al. 2025). m = K is the
+exact cache of K*L entries and the default. For m < K, cached decoding is checked against
+`slot_reference`: an independent float64 rewrite of decoding that keeps every token's keys/values of
+every loop in a plain list, no KVCache, and lets each forward see an earlier token as the slot rule
+says (the last loop to write its slot). The backbone and variants are the paper's (Sec. 4); the exit
+rule is Huginn's KL rule (flt/decoding.py: ExitRule)."""
 import math
 import re
 

@@ -1,4 +1,4 @@
-"""Tests for model.py: the looped backbone, its five loop variants and its KV cache.
+"""Tests for model.py: the looped backbone, its five loop variants and its KV cache (flt/decoding.py).
 
 The central check is `reference_forward`: an independent plain-torch (float64) rewrite
 of the paper's backbone and variants (Sec. 4) -- its own RMSNorm, RoPE, explicit-softmax attention with a mask,

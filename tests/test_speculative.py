@@ -58,6 +58,26 @@ def test_a_trained_like_model_accepts_drafts_and_rows_advance_together():
     assert torch.equal(torch.cat(got, 1), decode(model, ids, mask, 13))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_span_of_loops_continues_the_pass_from_its_state(variant):
+    # loops 1..j, then j+1..K from h(j): the whole pass's states, with or without the cache
+    model = float64_model(variant, "gqa")
+    ids = random_tokens(2, 7)
+    with torch.no_grad():
+        whole = model.loop_states(ids, K).states
+        for j in range(1, K):
+            first = model.loop_states(ids, decoding.LoopSpan(K, stop=j)).states
+            rest = model.loop_states(ids, decoding.LoopSpan(K, start=j, h_start=first[-1])).states
+            assert len(first) == j and len(rest) == K - j
+            torch.testing.assert_close(first + rest, whole, rtol=0, atol=0)
+            cache = model.new_kv_cache(2, K)
+            first = model.loop_states(ids, decoding.LoopSpan(K, stop=j), cache).states
+            cache.pos = 0
+            rest = model.loop_states(ids, decoding.LoopSpan(K, start=j, h_start=first[-1]), cache)
+            torch.testing.assert_close(first + rest.states, whole, rtol=0, atol=1e-12)
+            assert cache.pos == ids.size(1)
+
+
 def cache_after_plain_decode(model, ids, mask, tokens):
     """The exact cache after K-loop decoding of `tokens` (B, n) after the prompt: one forward."""
     cache = model.new_kv_cache(ids.size(0), K, mask)
@@ -158,14 +178,59 @@ def test_sampling_with_drafts_runs_and_is_reproducible_by_seed():
     assert torch.equal(sample(3), sample(3)) and sample(3).shape == (3, 10)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(draft_loops=K), "draft_loops=3: expected an integer from 1 to loops - 1 = 2"),
-    (dict(draft_loops=0), "draft_loops=0"),
-    (dict(draft_loops=1, draft_len=0), "draft_len=0: expected an integer >= 1"),
-    (dict(draft_loops=1, cache_slots=1), "needs the exact cache"),
-    (dict(draft_loops=1, exit_threshold=0.1), "use one of the two"),
+SETTINGS = ("draft_loops", "draft_len", "cache_slots", "exit_threshold")
+
+
+@pytest.mark.parametrize("kwargs, named, bound", [
+    # K_d < K: the draft runs fewer loops than K, so K_d loops need K >= K_d + 1
+    (dict(draft_loops=K), ["draft_loops=3"], "fewer loops than K=3, so K_d loops need K >= K_d + 1; "
+     "allowed: an integer from 1 to 2"),
+    (dict(draft_loops=0), ["draft_loops=0"], "allowed: an integer from 1 to 2"),
+    (dict(draft_loops=1.0), ["draft_loops=1.0"], "allowed: an integer from 1 to 2"),
+    (dict(draft_loops=2, loops=2), ["draft_loops=2"], "than K=2, so K_d loops need K >= K_d + 1; "
+     "allowed: an integer from 1 to 1"),
+    (dict(draft_loops=1, loops=1), ["draft_loops=1"], "allowed: none: K=1 has no fewer loops"),
+    (dict(draft_loops=1, draft_len=0), ["draft_len=0"], "expected an integer >= 1"),
+    (dict(draft_loops=1, cache_slots=1), ["cache_slots=1", "draft_loops=1"],
+     "needs the exact cache (cache_slots=3 or None)"),
+    (dict(draft_loops=2, exit_threshold=0.1), ["exit_threshold=0.1", "draft_loops=2"],
+     "use one of the two"),
 ])
-def test_bad_draft_settings_get_one_clear_line(kwargs, message):
+def test_bad_draft_settings_get_one_line_naming_only_their_cause(kwargs, named, bound):
     model = make_model("FLT", "full", loops=K)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as refused:
         next(model.generate(random_tokens(1, 4), 4, **kwargs))
+    message = str(refused.value)
+    assert "\n" not in message and bound in message, message
+    assert all(name in message for name in named), message
+    # the settings that play no part in the refusal go unnamed
+    causes = {name.split("=")[0] for name in named}
+    assert not any(f"{other}=" in message for other in set(SETTINGS) - causes), message
+    # the same check, as a command line's settings (eval.py): each name with its --
+    K_used = kwargs.get("loops", K)
+    args = {key: kwargs.get(key) for key in ("draft_loops", "cache_slots", "exit_threshold")}
+    with pytest.raises(ValueError) as flagged:
+        decoding.check_draft(K_used, draft_len=kwargs.get("draft_len", 4), prefix="--", **args)
+    want = message
+    for name in SETTINGS:
+        want = want.replace(f"{name}=", f"--{name}=")
+    assert str(flagged.value) == want
+
+
+def test_valid_drafts_and_cache_slots_pass_their_checks():
+    for K_used in (2, 3, 6):
+        for draft_loops in range(1, K_used):
+            decoding.check_draft(K_used, draft_loops, 1, cache_slots=K_used)
+            decoding.check_draft(K_used, draft_loops, 4, prefix="--")
+        for slots in [None, *range(1, K_used + 1)]:
+            decoding.check_cache_slots(slots, K_used)
+
+
+@pytest.mark.parametrize("value", [0, 4, 2.0, "2"])
+def test_a_bad_cache_slots_names_itself_and_the_true_bound(value):
+    for prefix in ("", "--"):
+        with pytest.raises(ValueError) as refused:
+            decoding.check_cache_slots(value, 3, prefix=prefix)
+        message = str(refused.value)
+        assert message.startswith(f"{prefix}cache_slots={value!r}: expected an integer 1 to loops=3")
+        assert "or None (3 slots, exact)" in message and "draft" not in message
