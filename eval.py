@@ -5,8 +5,9 @@ Evaluate one looped checkpoint at several loop budgets K: a row of the paper's T
     python eval.py out/base_flt_k9 --modes=bpb,exit --loops=1,2,4,8 --exit_thresholds=0.1,0.01
     torchrun --nproc_per_node=8 eval.py out/base_flt_k9/step_004000 --max_per_task=500
 
-The argument is a run's out_dir (its newest step_*), a step directory or an exported Hugging Face
-folder. Results merge into <step dir>/eval.json by (K, metric); eval.md beside it tables them.
+The argument is a run's out_dir (its newest step_*), a step directory (or its model.pt) or an
+exported Hugging Face folder. Results merge into <step dir>/eval.json by (K, metric); eval.md
+beside it tables them.
 
 The budget sweep (the paper's Fig. 6): every loop's output h(t) is a valid prediction point, so
 ONE forward at max(loops) yields each K's logits as head(h(K)) (loop_losses).
@@ -23,20 +24,19 @@ Which tokens and items are scored never depends on this machine: batch_size and 
 processes change the speed only. The protocols, the modes and eval.json: docs/evaluation.md.
 """
 import math
+import os
 import statistics
 import sys
-import time
 from itertools import islice
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from configurator import settings_of
-from flt import core, corpus, errors, report, runtime
+from flt import core, corpus, errors, eval_settings, report, runtime, tracking
 from flt.checkpoint import load_model
-from flt.modes import plan_and_run
+from flt.modes import OFFLINE, Job, estimate, plan
 from flt.runtime import print0
 from model import ROPE_SPAN
 
@@ -75,9 +75,7 @@ dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint 
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
 task_items = 2048               # tasks mode: the held-out items scored (the test set's first N)
 
-MODES = ("bpb", "wiki", "core", "sample", "exit", "tasks")
-# the two byte counts of a token: val_bpb (compared with the paper) and val_bpb_utf8
-BYTE_COUNTS = ("authors", "utf8")
+BYTE_COUNTS = ("authors", "utf8")  # a token's two byte counts: val_bpb (the paper's), val_bpb_utf8
 
 
 # ----------------------------------------------------------------------------- the budget sweep
@@ -311,14 +309,14 @@ def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=
     per task through log, and progress lines within each task if progress."""
     results = {K: {"tasks": {}} for K in loops_list}
     for task in tasks:
-        t0 = time.time()
-        accuracy = evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task,
-                                 progress and log)
+        with runtime.Timer() as took:
+            accuracy = evaluate_task(model, tokenizer, task, loops_list, batch_size, max_per_task,
+                                     progress and log)
         for K, a in accuracy.items():
             scores = {"accuracy": a, "centered": centered(a, task["baseline"])}
             results[K]["tasks"][task["label"]] = scores
         log(f"{task['label']:<34} {task['fewshot']:>2}-shot  {report.per_K(accuracy, '.4f')}  "
-            f"({time.time() - t0:.1f}s)")
+            f"({took.seconds:.1f}s)")
     for r in results.values():
         r["CORE"] = statistics.mean(t["centered"] for t in r["tasks"].values())
     return results
@@ -326,26 +324,82 @@ def evaluate_core(model, tokenizer, tasks, loops_list, batch_size, max_per_task=
 
 # ----------------------------------------------------------------------------- main
 def main(argv):
-    """The command line: each mode asked for is planned, then run and merged into eval.json
-    (flt/modes.py). Exit status 1 when a mode could not run; the others still ran."""
+    """The command line: the settings, a plan for each mode, then each mode run and merged into
+    eval.json, and the table of what eval.json holds. Exit status 1 when a mode could not run; the
+    others still ran. Returns this run's {K: results}."""
+    # the settings: the defaults above, then a config file and --key=value, checked before any
+    # work (flt/eval_settings.py). They live in `settings`: this module keeps the defaults
     defaults = settings_of(globals())
-    ckpt, c, run_modes, loops_list, thresholds = report.parse(argv, defaults, __file__, MODES)
-    rt = runtime.setup(c.device)
-    # the dtype is checked before the checkpoint loads; "" = the one the run trained with
-    runtime.dtype_bytes(c.dtype or "fp32")
+    path, settings = eval_settings.read(argv, defaults, __file__)
+    run_modes = eval_settings.chosen_modes(settings.modes)
+    loops_list = eval_settings.loop_budgets(settings.loops)
+    thresholds = eval_settings.exit_thresholds(settings.exit_thresholds)
+    rt = runtime.setup(settings.device)
     runtime.init_group(rt)
-    # the newest readable checkpoint, saying so
-    model, meta = load_model(ckpt, rt.device, log=print0)
-    # what each mode computes
-    metrics = SimpleNamespace(sweep=loop_losses, bpb=evaluate_bpb, exit=evaluate_exit,
-                              ppl=evaluate_ppl, core=evaluate_core, tasks=evaluate_tasks,
-                              byte_counts=BYTE_COUNTS)
-    results, failures = plan_and_run(c, defaults, model.eval(), meta, rt, run_modes, loops_list,
-                                     thresholds, metrics)
+    # the newest readable checkpoint, saying so; can it run every mode asked for?
+    model, meta = load_model(path, rt.device, log=print0)
+    eval_settings.check_checkpoint(settings.modes, run_modes, meta)
+    # what the modes share: the model, its tokenizer and numerics, this process (flt/modes.py)
+    job = Job(settings, model.eval(), meta, rt, loops_list, thresholds)
+    json_path = settings.out or os.path.join(meta["path"], "eval.json")
+    print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K="
+           f"{model.config.loops}; evaluating K in {loops_list} on {rt.device}, world {rt.world}")
+
+    # the plan: each mode fetches and counts its inputs, no forward yet. A mode that cannot (no
+    # network) is reported, and the others still run
+    planned, failed = {}, {}
+    for mode in run_modes:
+        try:
+            planned[mode] = plan(mode, settings, defaults, job)
+        except Exception as e:
+            failed[mode] = e
+            print0(f"plan {mode:<6} cannot run: {errors.explained(e)}", file=sys.stderr)
+            continue
+        print0(f"plan {mode:<6} {planned[mode].line}")
+    # the time each should take, from a first forward of its kind
+    expected = estimate(settings, job, planned)
+    if planned:
+        print0("estimate (from the first forwards): "
+               + ", ".join(f"{m} ~{report.minutes(s)}" for m, s in expected.items())
+               + f"; in all ~{report.minutes(sum(expected.values()))}")
+
+    # each mode run, then merged into eval.json by (K, metric), so a later failure keeps it. A
+    # mode that fails is reported (a bug with its traceback), and the others still run
+    record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(settings),
+              "time": report.now()}
+    results, measured, held = {K: {} for K in loops_list}, {}, {}
+    for mode in planned:
+        try:
+            with runtime.Timer(rt.device) as took, job.numerics:
+                by_K, measured[mode] = planned[mode].run()
+        except Exception as e:
+            failed[mode] = e
+            print0(f"eval.py: mode {mode!r} failed: {errors.explained(e)}", file=sys.stderr)
+            continue
+        print0(f"{mode} took {report.minutes(took.seconds)} "
+               f"(estimated ~{report.minutes(expected[mode])})")
+        for K, r in by_K.items():
+            results[K].update(r)
+        # on rank 0; another eval.py of this checkpoint merges in turn
+        if rt.rank == 0:
+            with corpus.locked(json_path):
+                doc = report.write_results(json_path, record, results, measured,
+                                           runtime.atomic_write)
+            held = doc["results"]
+
+    # the table of what the file holds now: this run's entries and those of earlier runs
+    if measured:
+        md_path = os.path.splitext(json_path)[0] + ".md"
+        print0(f"\n{json_path} now holds:\n{report.summary(held)}written to {json_path} and "
+               f"{md_path}")
+    # all eval.json holds, to the run's W&B (flt/tracking.py)
+    if settings.wandb and rt.rank == 0 and measured:
+        tracking.log_results(os.path.dirname(meta["path"]), json_path, meta.get("step"))
     # rank 0 was writing
     runtime.finish(rt)
-    if failures:
-        print0(failures, file=sys.stderr)
+    if failed:
+        closing = report.failures(failed, len(run_modes), json_path, measured, OFFLINE)
+        print0(closing, file=sys.stderr)
         raise SystemExit(1)
     return results
 

@@ -43,7 +43,7 @@ def tokenizer(s, train_files):
     train_files (the training shards), once, and cached beside them; any other value is a
     tokenizer.json path or a hub name (downloaded into data_dir)."""
     if s["dataset"] in tasks.TASKS:
-        return tasks.tokenizer(tasks.get(s))
+        return tasks.tokenizer(tasks.task_of(s))
     if s["tokenizer"] != "bpe":
         return data.load_tokenizer(s["tokenizer"], cache_dir=s["data_dir"], bos=s["bos_token"])
     return data.get_tokenizer("bpe", os.path.dirname(train_files[0]), train_files,

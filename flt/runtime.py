@@ -7,6 +7,7 @@
     runtime.print0(...)               # rank 0 only
     runtime.atomic_write(path, text)  # readers never see half a file
     runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
+    with runtime.Timer(device) as took: work()   # took.seconds; runtime.timed(work, device) the same
     with runtime.evaluating(model, autocast): ...   # train.py's evaluations: eval mode, eager
     text = runtime.sample(model, tokenizer, "The", 64, loops=3)
     print(runtime.framed("sample", text))  # a sample as text, between two rules
@@ -19,6 +20,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -238,6 +240,43 @@ def check_free_space(path, needed, what, hint):
     if free < needed:
         raise DiskSpaceError(what, path, needed, free, hint)
     return free
+
+
+class Timer:
+    """The one timer of the project: wall-clock seconds of a block, `with Timer(device) as took:`,
+    then took.seconds. On a CUDA device the queued kernels are drained before the clock starts and
+    before it stops: CUDA runs them asynchronously, and without the sync a block's time would be the
+    time of its launches. Other devices (and device=None) need no sync."""
+
+    def __init__(self, device=None):
+        self.device = device
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.seconds = None
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self):
+        self.sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.sync()
+        self.seconds = self.elapsed()
+        return False
+
+    def elapsed(self):
+        """Seconds since the block started, while it runs (no sync)."""
+        return time.perf_counter() - self.start
+
+
+def timed(work, device=None):
+    """Seconds one call of work() takes (Timer)."""
+    with Timer(device) as took:
+        work()
+    return took.seconds
 
 
 @contextlib.contextmanager

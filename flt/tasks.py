@@ -220,11 +220,11 @@ class Loader:
         return x.to(self.device), y.to(self.device)
 
 
-def get(s):
+def task_of(settings):
     """The task train.py's settings name, or None for a text dataset."""
-    if s["dataset"] not in TASKS:
+    if settings["dataset"] not in TASKS:
         return None
-    return Task(s["dataset"], s["task_difficulty"], s["sequence_len"])
+    return Task(settings["dataset"], settings["task_difficulty"], settings["sequence_len"])
 
 
 def tokenizer(task):
@@ -245,7 +245,7 @@ def check_settings(s, defaults):
                              f"is a task ({', '.join(TASKS)})")
         return
     # the task's own checks: a difficulty its items can hold in sequence_len
-    get(s)
+    task_of(s)
     if s["sample_tokens"]:
         raise ValueError(f"sample_tokens={s['sample_tokens']}: dataset={s['dataset']!r} has no "
                          "text to continue; set sample_tokens=0 (config/reasoning.py does)")

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import types
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -38,12 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flt import corpus, diagnostics
 import data
-from configurator import configure
+from configurator import configure, settings_of
 from model import GPT, GPTConfig
 from flt.planning import consumed_tokens_per_s, peak_flops
 from flt import errors
 from flt.errors import user_errors
-from flt.runtime import precision, resolve_dtype, setup
+from flt.runtime import Timer, precision, resolve_dtype, setup, timed
 from optim import build_optimizers, clip_coefficient, reduce_gradients
 
 mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf | cache | speculative
@@ -52,16 +51,16 @@ depth = 4
 sequence_len = 256
 batch_size = 8
 loops = 3
-repeats = 5                 # ratios, lmeval, hf, cache: timed repeats of each side
-gen_tokens = 256            # ratios: tokens generated with and without the KV cache
-variant = "FLT"             # train mode
+repeats = 5                 # ratios, lmeval, hf, cache, speculative: timed repeats of each side
+gen_tokens = 256            # ratios, hf: tokens generated (ratios: with and without the KV cache)
+variant = "FLT"             # train, memory and syncs modes
 attn = "full"               # train mode: full | mla
 n_kv_head = None            # train mode: None = n_head
 window_pattern = "L"        # train mode
-vocab_size = 151644         # train and syncs modes: the Qwen3 vocabulary (padded to 151,680)
+vocab_size = 151644         # train, memory and syncs modes: the Qwen3 vocabulary (padded to 151,680)
 world_size = 8              # syncs mode: ranks simulated in this process by a fake process group
-checkpoint_loops = False    # train mode
-compile_mode = "regional"   # train mode: eager | regional (GPT.compile_regions) | whole (torch.compile(model))
+checkpoint_loops = False    # train mode (memory runs both)
+compile_mode = "regional"   # train mode (memory runs all three): eager | regional (compile_regions) | whole
 dtype = "auto"              # bf16 | fp32 | auto = bf16 on CUDA, fp32 on CPU (runtime.precision)
 steps = 10                  # train mode: timed steps, after two warm-up steps
 data_dir = "data"           # loader, lmeval and hf modes: the embedded corpus
@@ -73,21 +72,33 @@ seconds = 5.0               # loader mode
 COMPILE_MODES = ("eager", "regional", "whole")
 MODES = ("ratios", "train", "memory", "memory_step", "loader", "syncs", "lmeval", "hf", "cache",
          "speculative")
-# the settings only some modes read: given to another, they would do nothing
-READ_BY = {"run": ("hf", "cache", "speculative"), "plot": ("cache", "speculative"),
-           "baseline": ("cache", "speculative")}
+# The modes that read each setting (a fresh model of `depth` is make()'s); `mode` serves all. A setting off
+# its default given to another mode would do nothing, and is refused.
+BUILT = ("ratios", "train", "memory", "memory_step", "syncs", "lmeval")
+ON_DEVICE = tuple(m for m in MODES if m != "loader")
+READ_BY = {"device": ON_DEVICE, "dtype": ON_DEVICE, "depth": (*BUILT, "hf"), "loops": (*BUILT, "loader", "hf"),
+           "sequence_len": (*BUILT, "loader"), "batch_size": (*BUILT, "loader", "hf"),
+           "repeats": ("ratios", "lmeval", "hf", "cache", "speculative"), "gen_tokens": ("ratios", "hf"),
+           "variant": ("train", "memory", "memory_step", "syncs"),
+           "attn": ("train",), "n_kv_head": ("train",), "window_pattern": ("train",),
+           "vocab_size": ("train", "memory", "memory_step", "syncs"), "world_size": ("syncs",),
+           "checkpoint_loops": ("train", "memory_step"), "compile_mode": ("train", "memory_step"),
+           "steps": ("train",), "data_dir": ("loader", "lmeval", "hf"), "run": ("hf", "cache", "speculative"),
+           "plot": ("cache", "speculative"), "baseline": ("cache", "speculative"), "seconds": ("loader",)}
+_defaults = settings_of(globals())
 with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1, no traceback
     configure(globals(), sys.argv[1:])
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(m for m in MODES if m != 'memory_step')}")
+    for key, modes_reading in READ_BY.items():
+        if globals()[key] != _defaults[key] and mode not in modes_reading:
+            readers = ", ".join(m for m in modes_reading if m != "memory_step")
+            raise ValueError(f"--{key}={globals()[key]!r} does nothing in --mode={mode}: only {readers} "
+                             "read it")
     for key in ("depth", "sequence_len", "batch_size", "loops", "repeats", "gen_tokens", "steps", "world_size"):
         errors.positive(f"--{key}", globals()[key])
     if seconds <= 0:
         raise ValueError(f"--seconds={seconds!r}: expected a positive number of seconds")
-    for key, modes_reading in READ_BY.items():
-        if globals()[key] and mode not in modes_reading:
-            raise ValueError(f"--{key}={globals()[key]!r} does nothing in --mode={mode}: only "
-                             f"{', '.join(modes_reading)} read it")
     if mode == "hf" and run and not os.path.isdir(run):
         raise FileNotFoundError(f"--run={run}: no such run directory")
     rt = setup(device)  # the device checks of train.py and eval.py; "cuda" becomes "cuda:0"
@@ -120,23 +131,13 @@ def compiled(model):
     return torch.compile(model, dynamic=False) if compile_mode == "whole" else model
 
 
-def timed(fn):
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def ratio(name, fn_a, fn_b, bound):
     """Median time of fn_a / fn_b, alternating the two after one warm-up call each."""
     fn_a(), fn_b()
     ta, tb = [], []
     for _ in range(repeats):
-        ta.append(timed(fn_a))
-        tb.append(timed(fn_b))
+        ta.append(timed(fn_a, device))
+        tb.append(timed(fn_b, device))
     a, b = statistics.median(ta), statistics.median(tb)
     print(f"{name:<56} {a * 1e3:9.1f} ms / {b * 1e3:9.1f} ms = {a / b:5.2f}  (target {bound})")
     return a / b
@@ -219,11 +220,11 @@ def train():
             opt.step()
         model.zero_grad(set_to_none=True)
 
-    first = timed(step)  # includes compilation
-    timed(step)
+    first = timed(step, device)  # includes compilation
+    timed(step, device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    dt = statistics.median(timed(step) for _ in range(steps))
+    dt = statistics.median(timed(step, device) for _ in range(steps))
     tok_s = batch_size * sequence_len / dt
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peak = peak_flops(name)
@@ -261,7 +262,7 @@ def memory_step():
     model, autocast = make(variant, vocab=vocab_size, checkpoint_loops=checkpoint_loops)
     step = fwd_bwd(compiled(model), torch.randint(0, vocab_size, (batch_size, sequence_len), device=device),
                    loops, autocast)
-    first, dt = timed(step), timed(step)
+    first, dt = timed(step, device), timed(step, device)
     print(json.dumps(dict(peak=peak_memory(step), warmup=first - dt, step=dt)))
 
 
@@ -296,11 +297,12 @@ def loader():
     files = corpus.embedded_corpus(data_dir)
     tok = data.get_tokenizer("bpe", os.path.dirname(files[0]), files[:-1], 4096)
     batches = data.DataLoader(files[:-1], tok, batch_size, sequence_len, prefetch=2)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        next(batches)
-        n += 1
-    tok_s = n * batch_size * sequence_len / (time.perf_counter() - t0)
+    n = 0
+    with Timer() as took:
+        while took.elapsed() < seconds:
+            next(batches)
+            n += 1
+    tok_s = n * batch_size * sequence_len / took.seconds
     print(f"loader: {tok_s:,.0f} tokens/s per process (B={batch_size}, T={sequence_len}, "
           f"{os.environ['RAYON_NUM_THREADS']} tokenizer threads of {len(os.sched_getaffinity(0))} CPUs)")
     for name, shape in (("small", 6), ("base", 12)):
@@ -482,7 +484,6 @@ def validation_run(path):
 
 def loop_cache_rows(path):
     """One run's rows of the cache table: {K: {m: row}} at its trained K and at K' = 2K."""
-    from flt import checkpoint
     from scripts.plot import run_name
     model, meta, x, y, tok, shard = validation_run(path)
     autocast = precision(model, rt.device_type, dtype)
@@ -507,7 +508,7 @@ def loop_cache_rows(path):
         exact, times = greedy(K), {m: [] for m in slots}
         for _ in range(repeats):  # side by side: every m once per round
             for m in slots:
-                times[m].append(timed(lambda: greedy(m)))
+                times[m].append(timed(lambda: greedy(m), device))
         rows[K] = {}
         for m in slots:
             losses, per_token = teacher_forced(model, autocast, x, y, K, m)
@@ -652,7 +653,7 @@ def speculative_rows(path):
             # side by side: every cell once a round
             for _ in range(repeats):
                 for cell in cells:
-                    times[cell].append(timed(lambda: decode(*cell)))
+                    times[cell].append(timed(lambda: decode(*cell), device))
             exact = decode()
             base = statistics.median(times[None, 4])
             rows[K, B] = {}

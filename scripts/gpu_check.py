@@ -2,8 +2,9 @@
 Does the recipe run well on this GPU? One command checks and measures it, part by part:
     python -m scripts.gpu_check                   # a CUDA GPU: about 8 minutes on one H100
     python -m scripts.gpu_check --tiny --device=cpu --compile=off   # the same code, tiny (the tests)
-It prints one table and writes it as JSON (--out), after every part, so a part that fails or a
-run that is cut short keeps what the others measured. The parts:
+It prints one table and writes it as JSON (--out; by default gpu_check.json in the work folder it
+names, beside the quick start's runs), after every part, so a part that fails or a run that is cut
+short keeps what the others measured. The parts:
   quickstart  the README's quick start on this device (bf16, compiled): exit status, final val bpb
               against the CPU fp32 quick start, graphs compiled, host reads per step
   base        config/flt_base.py's model at K = 9, then K = 1: tokens/s and MFU by the model's
@@ -26,15 +27,19 @@ import time
 import traceback
 import warnings
 
-import pyarrow.parquet as pq
-import torch
+# The profiler's own log lines (kineto's, at each start and stop) are noise in this report: level 6
+# is above all of them, its errors too. Set before torch loads kineto; a KINETO_LOG_LEVEL given wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
 
 import data
-from configurator import configure
+from configurator import configure, settings_of
 from flt import checkpoint, diagnostics, planning
 from flt import errors
 from flt.errors import user_errors
-from flt.runtime import atomic_write, precision, resolve_dtype, setup
+from flt.runtime import Timer, atomic_write, precision, resolve_dtype, setup, timed
 from model import GPT, GPTConfig
 from optim import build_optimizers
 
@@ -42,13 +47,16 @@ device = "cuda"             # cuda | cuda:N; cpu only with --tiny
 tiny = False                # every part at a tiny size: what the test suite runs on CPU
 compile = "on"              # on | off: torch.compile of the blocks (train.py's compile_regions)
 parts = "quickstart,base,decode,numerics"
-data_dir = "data"           # the embedded corpus and its BPE (train.py builds them if absent)
-authors_dir = "authors"     # a folder holding the authors' nanochat/ (gpt.py and what it imports)
+data_dir = "data"           # quickstart, numerics: the embedded corpus and its BPE (train.py builds them)
+authors_dir = "authors"     # base: a folder holding the authors' nanochat/ (gpt.py and what it imports)
 batch_size = -1             # base: sequences per step; -1 = the largest of 32, 16, 8, ... the planner fits
 steps = 20                  # base: timed steps, after three warm-up steps
-out = "gpu_check.json"
+out = ""                    # the JSON file; "" = gpu_check.json in the work folder (a new temporary one)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("quickstart", "base", "decode", "numerics")
+# The parts that read each setting; one off its default that no part asked for reads would do nothing
+READ_BY = {"compile": ("quickstart", "base"), "data_dir": ("quickstart", "numerics"),
+           "authors_dir": ("base",), "batch_size": ("base",), "steps": ("base",)}
 # The CPU fp32 quick start's final val bpb (README; `python train.py --loops=3 --device=cpu`)
 QUICKSTART_BPB = 1.9765
 QUICKSTART = ["--loops=3"]
@@ -76,21 +84,9 @@ def base_config(loops, s):
                      n_head=n_head, n_kv_head=n_head, n_embd=n_embd, loops=loops, variant="FLT")
 
 
-def sync():
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeats):
-    """Median seconds of fn over `repeats` calls, the device drained around each."""
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_seconds(fn, repeats):
+    """Median seconds of fn over `repeats` calls, the device drained around each (runtime.timed)."""
+    return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
 # ----------------------------------------------------------------------------- quickstart
@@ -157,12 +153,12 @@ def quickstart(work):
     cpu = [*common, *ref_steps, "--device=cpu", "--dtype=fp32", "--sample_tokens=0",
            f"--out_dir={reference}"]
     report = os.path.join(work, "quickstart.json")
-    t0 = time.time()
     # the CPU run's threads leave cores to the device run's host thread
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    runs = [train_process(here, run, report), train_process(cpu, reference, env=threads)]
-    codes = [p.wait() for p in runs]
-    result = {"seconds": round(time.time() - t0, 1), "exit": codes[0], "reference_exit": codes[1]}
+    with Timer() as took:
+        runs = [train_process(here, run, report), train_process(cpu, reference, env=threads)]
+        codes = [p.wait() for p in runs]
+    result = {"seconds": round(took.seconds, 1), "exit": codes[0], "reference_exit": codes[1]}
     with open(os.path.join(run, "console.txt")) as f:
         result["console_tail"] = f.read()[-2000:]
     if os.path.exists(report):
@@ -221,14 +217,12 @@ def train_steps(model, loops, batch, optimize=True):
 
 def measure(step, model, loops, batch, s):
     """tok/s, MFU, peak memory and the planner's estimate for `step` at this batch."""
-    t0 = time.perf_counter()
-    for _ in range(1 if tiny else 3):
-        step()
-    sync()
-    warm = time.perf_counter() - t0
+    with Timer(device) as warm:
+        for _ in range(1 if tiny else 3):
+            step()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    dt = timed(step, 1 if tiny else steps)
+    dt = median_seconds(step, 1 if tiny else steps)
     tok_s = batch * s["sequence_len"] / dt
     cuda = device.startswith("cuda")
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -236,7 +230,7 @@ def measure(step, model, loops, batch, s):
     flops = model.estimate_flops(loops)
     planned = planning.estimate_memory(model, batch, "bf16", compiled=compile == "on", loops=loops,
                                        device_type=torch.device(device).type)
-    row = {"loops": loops, "batch": batch, "warmup_s": round(warm, 1), "ms_per_step": dt * 1e3,
+    row = {"loops": loops, "batch": batch, "warmup_s": round(warm.seconds, 1), "ms_per_step": dt * 1e3,
            "tok_per_s": tok_s, "flops_per_token": flops,
            "mfu": flops * tok_s / peak if peak else None, "planned_gib": planned["total"] / 2**30}
     row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
@@ -250,9 +244,9 @@ def top_kernels(step, n=15):
     cuda = device.startswith("cuda")
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    # the Timer drains the step's kernels before the profile ends
+    with torch.profiler.profile(activities=activities) as prof, Timer(device):
         step()
-        sync()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     # ranges a Python annotation opened (Optimizer.step#Muon.step) span kernels counted already
     events = [e for e in prof.key_averages()
@@ -319,8 +313,8 @@ def beside_authors(model, batch, s):
     theirs_model = authors_model(s["loops"], s)
     theirs_step = train_steps(theirs_model, None, batch, optimize=False)
     # warm-up (their blocks compile), then timed as ours
-    timed(theirs_step, 1 if tiny else 3)
-    theirs_ms = timed(theirs_step, 1 if tiny else steps) * 1e3
+    median_seconds(theirs_step, 1 if tiny else 3)
+    theirs_ms = median_seconds(theirs_step, 1 if tiny else steps) * 1e3
     return {"ours_fwd_bwd_ms": ours["ms_per_step"], "theirs_fwd_bwd_ms": theirs_ms,
             "ours_over_theirs": ours["ms_per_step"] / theirs_ms}
 
@@ -361,7 +355,7 @@ def decode(work):
         for name, fn in (("cached", cached), ("recompute", recompute)):
             # one warm-up call, then the median of three
             fn()
-            times[name] = timed(fn, 1 if tiny else 3)
+            times[name] = median_seconds(fn, 1 if tiny else 3)
         same = (tokens["cached"] == tokens["recompute"]).float().mean().item()
         rows.append({"batch": batch, "loops": s["loops"], "new_tokens": s["new"],
                      "cached_tok_s": batch * s["new"] / times["cached"],
@@ -420,8 +414,8 @@ def table(results, where):
     if "error" in q or "exit" in q:
         ref = q.get("reference_bpb")
         bpb = q.get("final_val_bpb")
-        off = f"{100 * (bpb / ref - 1):+.2f}% vs {ref}" if bpb and ref else q.get("error", "")
-        rows += [("quick start: exit, final val bpb", f"{q.get('exit')}, {fmt(bpb)}", off),
+        off = f"{100 * (bpb / ref - 1):+.2f}% vs {ref:.4f}" if bpb and ref else q.get("error", "")
+        rows += [("quick start: exit, final val bpb", f"{q.get('exit')}, {fmt(bpb, '.4f')}", off),
                  ("quick start: graphs compiled, graph breaks",
                   f"{q.get('graphs')}, {q.get('graph_breaks')}", ""),
                  ("quick start: host reads, CUDA syncs per step",
@@ -431,7 +425,7 @@ def table(results, where):
         rows.append((f"base FLT K={row['loops']} B={row['batch']}: tok/s",
                      f"{row['tok_per_s']:,.0f}", mfu))
         rows.append((f"base FLT K={row['loops']}: peak / planned GiB",
-                     f"{fmt(row['peak_gib'], '.4g')} / {row['planned_gib']:.4g}", ""))
+                     f"{fmt(row['peak_gib'], '.3g')} / {row['planned_gib']:.3g}", ""))
     authors = results.get("base", {}).get("authors")
     if isinstance(authors, dict):
         rows.append(("fwd+bwd ms: ours / the authors' gpt.py",
@@ -449,7 +443,7 @@ def table(results, where):
                      f"{n['logits_max_diff']:.3f}, {n['logits_mean_diff']:.4f}",
                      f"logit std {n['logits_std']:.2f}, argmax same {n['argmax_same']:.3f}"))
         rows.append((f"first {n['first_steps_compared']} losses vs fp32 CPU: max |diff|",
-                     fmt(n["first_losses_max_diff"]), ""))
+                     fmt(n["first_losses_max_diff"], ".2g"), ""))
     for part in PARTS:
         if "error" in results.get(part, {}):
             rows.append((f"{part}: failed", results[part]["error"], ""))
@@ -457,11 +451,15 @@ def table(results, where):
     return "\n".join(f"{a:<{width}}  {b:<24} {c}".rstrip() for a, b, c in rows)
 
 
-def main():
+def main(defaults):
     chosen = [p for p in parts.split(",") if p]
     for p in chosen:
         if p not in PARTS:
             raise ValueError(f"--parts={parts}: {p!r} is not one of {','.join(PARTS)}")
+    for key, readers in READ_BY.items():
+        if globals()[key] != defaults[key] and not set(readers) & set(chosen):
+            raise ValueError(f"--{key}={globals()[key]!r} does nothing with --parts={parts}: only "
+                             f"{', '.join(readers)} read it")
     if not tiny and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise ValueError(f"--device={device}: the full check needs a CUDA GPU, and this torch "
                          f"({torch.__version__}) sees none; --tiny --device=cpu runs its code on "
@@ -471,31 +469,35 @@ def main():
     if steps < 1 or batch_size == 0 or batch_size < -1:
         raise ValueError(f"--steps={steps}, --batch_size={batch_size}: expected steps >= 1 and "
                          "a batch >= 1 (or -1: the largest that fits)")
-    errors.output_file("--out", out)
+    if out:
+        errors.output_file("--out", out)
     errors.directory("--data_dir", data_dir)
     rt = setup(device)
     where = torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else "cpu"
     head = {"device": where, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "tiny": tiny, "compile": compile}
     results = {"meta": head}
+    # the parts' runs and files, kept for a look afterwards
     work = tempfile.mkdtemp(prefix="gpu_check")
+    path = out or os.path.join(work, "gpu_check.json")
     for part in chosen:
-        t0 = time.time()
         print(f"{part} ...", flush=True)
-        try:
-            results[part] = (numerics(work, results) if part == "numerics"
-                             else globals()[part](work))
-        except Exception as e:
-            results[part] = {"error": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc()[-3000:]}
-        results[part]["part_seconds"] = round(time.time() - t0, 1)
+        with Timer() as took:
+            try:
+                results[part] = (numerics(work, results) if part == "numerics"
+                                 else globals()[part](work))
+            except Exception as e:
+                results[part] = {"error": f"{type(e).__name__}: {e}",
+                                 "traceback": traceback.format_exc()[-3000:]}
+        results[part]["part_seconds"] = round(took.seconds, 1)
         print(f"{part}: {results[part]['part_seconds']} s", flush=True)
-        atomic_write(out, json.dumps(results, indent=1, default=str))
+        atomic_write(path, json.dumps(results, indent=1, default=str))
     print(table(results, where))
-    print(f"(written to {out})")
+    print(f"written to {path}; the parts' runs and files are in {work}")
 
 
 if __name__ == "__main__":
     with user_errors("scripts.gpu_check"):
+        _defaults = settings_of(globals())
         configure(globals(), sys.argv[1:])
-        main()
+        main(_defaults)

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from array import array
 from collections import defaultdict
 from contextlib import nullcontext
@@ -45,6 +44,8 @@ import eval as evaluation
 from flt import errors, report
 from flt import runtime
 from flt.checkpoint import load_model
+from flt.decoding import check_cache_slots
+from flt.eval_settings import loop_budgets
 
 
 class LoopedLM(TemplateLM):
@@ -70,7 +71,8 @@ class LoopedLM(TemplateLM):
             raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
         self.model, self.tok, self.numerics, self.log = model.eval(), tokenizer, numerics, log
         self.loops, self.K = sorted(set(loops)), max(loops)
-        report.check_cache_slots(cache_slots, self.loops, "cache_slots")
+        # the cache serves generation at every K of loops: at most the smallest
+        check_cache_slots(cache_slots, self.loops[0])
         self.cache_slots = cache_slots
         self.exit_threshold, self.batch_size = exit_threshold, batch_size
         self.max_length = model.config.sequence_len
@@ -227,6 +229,15 @@ def task_names(tasks, task_manager):
     return names
 
 
+def generation_tasks(names, task_manager):
+    """The tasks of `names` that may generate text (output_type generate_until), the only ones that read
+    --cache_slots and --gen_kwargs. A group, a tag or a task whose YAML does not name its output type
+    counts as one: it may (generate_until is the harness's default type)."""
+    entries = [task_manager.task_index.get(name) for name in names]
+    return [name for name, entry in zip(names, entries)
+            if (getattr(entry, "cfg", None) or {}).get("output_type", "generate_until") == "generate_until"]
+
+
 def table(results):
     """A Markdown table of {K: simple_evaluate's results}: a row per task and metric, a column per K."""
     rows = {}
@@ -260,8 +271,8 @@ def parse(argv):
     p.add_argument("--gen_kwargs", default=None, help="generation settings over the tasks', e.g. max_gen_toks=64")
     p.add_argument("--output_path", default="", help="the JSON file; empty = <step dir>/lm_eval.json")
     args = p.parse_args(argv)
-    args.loops = report.loop_budgets(args.loops)
-    report.check_cache_slots(args.cache_slots, args.loops, "--cache_slots")
+    args.loops = loop_budgets(args.loops)
+    check_cache_slots(args.cache_slots, args.loops[0], prefix="--")
     errors.positive("--batch_size", args.batch_size)
     if args.limit is not None and args.limit <= 0:
         raise ValueError(f"--limit={args.limit}: expected items per task (>= 1) or a fraction of them (< 1), > 0")
@@ -282,6 +293,11 @@ def main(argv):
     args = parse(argv)
     task_manager = TaskManager(include_path=args.include_path)
     tasks = task_names(args.tasks, task_manager)
+    # generation's settings, given to tasks that only score: they would do nothing
+    for key in ("cache_slots", "gen_kwargs"):
+        if getattr(args, key) is not None and not generation_tasks(tasks, task_manager):
+            raise ValueError(f"--{key}={getattr(args, key)!r} does nothing for --tasks={args.tasks}: only "
+                             "generate_until tasks read it")
     lm, meta = load(args.run, args.loops, args.device, args.dtype, args.exit_threshold, args.batch_size,
                     cache_slots=args.cache_slots)
     path = args.output_path or os.path.join(meta["path"], "lm_eval.json")
@@ -291,11 +307,11 @@ def main(argv):
           flush=True)
     results, seconds = {}, {}
     for K in reversed(args.loops):
-        t0 = time.perf_counter()
-        results[K] = simple_evaluate(model=lm.at(K), tasks=tasks, task_manager=task_manager, limit=args.limit,
-                                     num_fewshot=args.num_fewshot, gen_kwargs=args.gen_kwargs,
-                                     batch_size=args.batch_size, log_samples=False)
-        seconds[K] = time.perf_counter() - t0
+        with runtime.Timer() as took:
+            results[K] = simple_evaluate(model=lm.at(K), tasks=tasks, task_manager=task_manager, limit=args.limit,
+                                         num_fewshot=args.num_fewshot, gen_kwargs=args.gen_kwargs,
+                                         batch_size=args.batch_size, log_samples=False)
+        seconds[K] = took.seconds
         print(f"K={K}: done in {report.minutes(seconds[K])}", flush=True)
     record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(args), "seconds": seconds,
               "table": table(results), "results": {str(K): results[K] for K in sorted(results)}}

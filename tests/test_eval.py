@@ -1,6 +1,7 @@
-"""Tests for eval.py and its support modules (flt/core.py: CORE's prompts; flt/modes.py: the modes):
-CORE prompts and scoring, bits per byte, WikiText perplexity, the budget sweep, the bundle's
-errors, and CLI runs end to end.
+"""Tests for eval.py and its support modules (flt/core.py: CORE's prompts; flt/modes.py: the modes;
+flt/eval_settings.py: its settings): CORE prompts and scoring, bits per byte, WikiText perplexity,
+the budget sweep, the bundle's errors, the settings and their checks, main's plan-then-run with
+stand-in modes, and CLI runs end to end.
 
 Scores are checked against models whose answers are known: `Oracle` puts all its probability
 on the next token of sequences it was told, `Uniform` on nothing (loss ln V everywhere), and a
@@ -37,9 +38,11 @@ import data
 import eval as ev
 from flt import checkpoint
 from flt import core
+from flt import eval_settings
 from flt import modes
 from flt import report
 from flt import runtime
+from configurator import settings_of
 from model import GPT, GPTConfig, Loops
 
 
@@ -763,17 +766,17 @@ def test_eval_py_runs_accumulate(tmp_path, capsys):
     returned) and eval.md tables them; an eval.json that cannot be read is kept aside, saying so
     (docs/evaluation.md)."""
     _, _, step = save_checkpoint(tmp_path)
-    args = [str(tmp_path / "run"), "--device=cpu", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
-            "--sample_tokens=3"]
-    bpb = ev.main(args + ["--modes=bpb", "--loops=1,2"])
-    samples = ev.main(args + ["--modes=sample", "--loops=1"])
+    args = [str(tmp_path / "run"), "--device=cpu"]
+    sampling = ["--modes=sample", "--loops=1", "--sample_tokens=3"]
+    bpb = ev.main(args + ["--modes=bpb", "--loops=1,2", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}"])
+    samples = ev.main(args + sampling)
     merged = {1: bpb[1] | samples[1], 2: bpb[2]}
     saved = json.loads((step / "eval.json").read_text())
     assert saved["results"] == {str(K): r for K, r in merged.items()}
     assert (step / "eval.md").read_text() == saved["table"] == report.table(merged)
     (step / "eval.json").write_text("{")
     capsys.readouterr()
-    ev.main(args + ["--modes=sample", "--loops=1"])
+    ev.main(args + sampling)
     [aside] = [name for name in os.listdir(step) if name.startswith("eval.json.unreadable.")]
     assert (step / aside).read_text() == "{" and f"kept it as {step / aside}" in capsys.readouterr().err
     assert json.loads((step / "eval.json").read_text())["results"] == {"1": samples[1]}
@@ -792,24 +795,34 @@ def test_sample_mode_decodes_with_cache_slots(tmp_path, monkeypatch):
                                                              loops=3, cache_slots=1)
 
 
-def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, capsys):
-    """--draft_loops: self-speculative decoding (model.generate(draft_loops=...)), greedy, so the
-    samples are those of K-loop decoding; the plan line says so. A bad draft is refused by name."""
+def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, capsys, monkeypatch):
+    """--draft_loops: self-speculative decoding (model.generate(draft_loops=...)) at each K of --loops
+    above it, greedy, so the samples are those of K-loop decoding; a K it cannot serve decodes without
+    drafting, and the plan line says so. A draft no K can serve is refused, with the bound."""
     save_checkpoint(tmp_path)
-    args = [str(tmp_path / "run"), "--device=cpu", "--loops=3,2", "--modes=sample", "--sample_tokens=6",
+    args = [str(tmp_path / "run"), "--device=cpu", "--loops=3,2,1", "--modes=sample", "--sample_tokens=6",
             f"--out={tmp_path / 'eval.json'}"]
     exact = ev.main(args)
+    calls, sample = [], runtime.sample
+    monkeypatch.setattr(runtime, "sample", lambda *a, **kw: calls.append((kw["loops"], kw["draft_loops"]))
+                        or sample(*a, **kw))
     drafted = ev.main(args + ["--draft_loops=1", "--draft_len=3"])
-    assert "drafting 3 tokens a round with 1 loops" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("drafting 3 tokens a round with 1 loops, verified with all K; K=1 without drafting, which "
+            "needs K > 1)") in out
+    assert sorted(set(calls)) == [(1, None), (2, 1), (3, 1)]
     # kept apart from the exact samples, and equal to them
     assert drafted == {K: {"samples[draft_loops=1,draft_len=3]": r["samples"]} for K, r in exact.items()}
     saved = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert saved == {str(K): exact[K] | drafted[K] for K in exact}
-    for bad, message in ((["--draft_loops=2"], "expected an integer from 1 to 1"),
-                         (["--loops=1,2", "--draft_loops=1"], "every K of --loops to be 2 or more"),
-                         (["--draft_loops=1", "--draft_len=0"], "drafting needs draft_len >= 1")):
-        with pytest.raises(ValueError, match=message):
+    # the bound: K_d loops draft for a K of at least K_d + 1 (flt/decoding.py: check_draft)
+    for bad, message in ((["--draft_loops=3"], r"^--draft_loops=3: .*K >= 4"),
+                         (["--loops=1", "--draft_loops=1"], r"^--draft_loops=1: .*K >= 2"),
+                         (["--draft_loops=1", "--draft_len=0"], r"^--draft_len=0: expected an integer >= 1"),
+                         (["--draft_loops=1", "--cache_slots=1"], r"^--cache_slots=1 with --draft_loops=1: ")):
+        with pytest.raises(ValueError, match=message) as refused:
             ev.main(args + bad)
+        assert "draft_len" not in str(refused.value) or "--draft_len=0" in bad
 
 
 def test_results_under_another_choice_are_kept_apart_and_the_table_shows_all_the_file_holds(tmp_path, capsys):
@@ -817,8 +830,8 @@ def test_results_under_another_choice_are_kept_apart_and_the_table_shows_all_the
     the others stored; the cache's samples go under samples[cache_slots=1], as the plan line says,
     and each run prints the table of everything eval.json then holds, not only its own columns."""
     _, _, step = save_checkpoint(tmp_path)
-    args = [str(tmp_path / "run"), "--device=cpu", "--loops=1,2", f"--val_files={tmp_path / 'val.parquet'}"]
-    bpb = ev.main(args + ["--modes=bpb"])
+    args = [str(tmp_path / "run"), "--device=cpu", "--loops=1,2"]
+    bpb = ev.main(args + ["--modes=bpb", f"--val_files={tmp_path / 'val.parquet'}"])
     exact = ev.main(args + ["--modes=sample", "--sample_tokens=3"])
     capsys.readouterr()
     cached = ev.main(args + ["--modes=sample", "--sample_tokens=3", "--cache_slots=1"])
@@ -852,6 +865,178 @@ def test_tokenizer_loaded_with_the_checkpoint_bos_token(tmp_path, monkeypatch, s
     with pytest.raises(Stop):
         ev.main([str(tmp_path / "run"), "--device=cpu"])
     assert calls == [kwargs]
+
+
+# ----------------------------------------------------------------------------- the settings (flt/eval_settings.py)
+DEFAULTS = settings_of(vars(ev))
+
+
+def read(*argv, checkpoint="."):
+    return eval_settings.read([checkpoint, *argv], dict(DEFAULTS), "eval.py")[1]
+
+
+def test_settings_parse_modes_loops_and_thresholds_and_name_bad_values(tmp_path):
+    run = str(tmp_path)
+    path, settings = eval_settings.read([run, "--modes=exit, bpb,exit", "--loops=6,1,6,3",
+                                         "--exit_thresholds=0.1,0"], dict(DEFAULTS), "eval.py")
+    assert path == run and settings.batch_size == 8 and settings.loops == "6,1,6,3"  # as given
+    assert eval_settings.chosen_modes(settings.modes) == ["bpb", "exit"]
+    assert eval_settings.loop_budgets(settings.loops) == [1, 3, 6]
+    assert eval_settings.exit_thresholds(settings.exit_thresholds) == [0.1, 0.0]
+    assert ev.modes == "bpb,wiki,core,sample" and DEFAULTS == settings_of(vars(ev))  # eval.py keeps its defaults
+    bad = {"--modes=bpb,ppl": "--modes='bpb,ppl': expected a comma-separated subset of "
+                              "bpb,wiki,core,sample,exit,tasks",
+           "--loops=1,0": "--loops='1,0': expected comma-separated integers >= 1",
+           "--exit_thresholds=0.1": "--exit_thresholds='0.1': the exit mode needs, and only it takes",
+           "--batch_size=0": "--batch_size=0: expected a positive integer"}
+    for arg, message in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read(arg, checkpoint=run)
+    with pytest.raises(ValueError, match=re.escape("--exit_thresholds='0.1,x': the exit mode needs")):
+        read("--modes=exit", "--exit_thresholds=0.1,x", checkpoint=run)
+    with pytest.raises(ValueError, match="usage: python eval.py <checkpoint dir>"):
+        eval_settings.read(["--loops=3"], dict(DEFAULTS), "eval.py")
+    # the settings first, then the checkpoint: a missing one is named before any model loads
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{run}/nope: no such checkpoint directory")):
+        read(checkpoint=f"{run}/nope")
+
+
+# a value off the default for each setting only some modes read
+OFF_DEFAULT = {"batch_size": 4, "bpb_tokens": 512, "protocol_ranks": 2, "protocol_batch": 2, "val_files": __file__,
+               "data_dir": ".", "wiki_path": __file__, "wiki_url": "http://x", "bundle_dir": "x",
+               "bundle_url": "http://x", "max_per_task": 5, "sample_tokens": 4, "temperature": 0.5, "seed": 7,
+               "cache_slots": 1, "draft_loops": 1, "draft_len": 2, "task_items": 30}
+
+
+def test_every_setting_a_chosen_mode_does_not_read_is_refused():
+    """Each setting that only some modes read (eval_settings.READ_BY), given off its default: refused
+    in a run of the other modes, naming the modes that read it, and taken by each of those."""
+    assert OFF_DEFAULT.keys() == eval_settings.READ_BY.keys()
+    # what each mode needs beside: exit its thresholds; seed a temperature, draft_len a draft
+    needs = {"exit": ["--exit_thresholds=0.1"]}
+    beside = {"seed": ["--temperature=0.5"], "draft_len": ["--draft_loops=1"]}
+    for key, readers in eval_settings.READ_BY.items():
+        given = f"--{key}={OFF_DEFAULT[key]}"
+        for mode in modes.PLANS:
+            args = [f"--modes={mode}", given, "--loops=2", *needs.get(mode, [])]
+            if mode in readers:
+                assert getattr(read(*args, *beside.get(key, [])), key) == OFF_DEFAULT[key]
+                continue
+            with pytest.raises(ValueError) as refused:
+                read(*args)
+            line = str(refused.value)
+            assert line.startswith(f"--{key}={OFF_DEFAULT[key]!r} is read by the "), line
+            assert line.endswith(f" mode{'s' if len(readers) > 1 else ''}, not by --modes='{mode}': remove it, "
+                                 "or add a mode that reads it"), line
+            assert [m for m in modes.PLANS if f" {m}" in line.split(", not by")[0]] == list(readers), line
+    with pytest.raises(ValueError, match=re.escape("--seed=7 does nothing at --temperature=0")):
+        read("--modes=sample", "--seed=7")
+    with pytest.raises(ValueError, match=re.escape("--draft_len=2 does nothing without --draft_loops")):
+        read("--modes=sample", "--draft_len=2")
+
+
+def test_cache_slots_are_at_most_the_smallest_K():
+    """Sampling at each K of --loops decodes with cache_slots loop slots per layer (model.KVCache): 1 to
+    the smallest K (flt/decoding.py: check_cache_slots)."""
+    assert read("--modes=sample", "--loops=6,2", "--cache_slots=2").cache_slots == 2
+    for args, bound in ((("--loops=6,2", "--cache_slots=3"), "2"), (("--cache_slots=0",), "1")):
+        with pytest.raises(ValueError, match=rf"^--cache_slots={args[-1][-1]}: expected an integer .*{bound}"):
+            read("--modes=sample", *args)
+
+
+def test_a_checkpoint_file_opens_its_folder(tmp_path):
+    """step_*/model.pt (or any file beside it) stands for its step directory; a file elsewhere is named."""
+    _, _, step = save_checkpoint(tmp_path)
+    for name in ("model.pt", "tokenizer.json"):
+        path, _ = eval_settings.read([str(step / name), "--modes=sample"], dict(DEFAULTS), "eval.py")
+        assert path == str(step)
+    stray = tmp_path / "val.parquet"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{stray}: a file, not a checkpoint directory")):
+        read(checkpoint=str(stray))
+    results = ev.main([str(step / "model.pt"), "--device=cpu", "--modes=sample", "--loops=1",
+                       "--sample_tokens=2"])
+    assert results[1]["samples"] and (step / "eval.json").exists()
+
+
+def test_the_tasks_mode_on_a_text_run_is_one_line(tmp_path):
+    """A checkpoint trained on text cannot run the tasks mode: one error naming it and its dataset,
+    before any mode plans; nothing written."""
+    _, _, step = save_checkpoint(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "eval.py", str(tmp_path / "run"), "--modes=tasks", "--device=cpu"],
+                       cwd=root, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                       timeout=300)
+    assert (p.returncode, p.stdout) == (1, "")
+    assert p.stderr == (f"eval.py: ValueError: --modes='tasks': the tasks mode scores a model trained on a task "
+                        f"(s3, s5, chains), and {step} was trained on dataset='embedded'\n")
+    assert sorted(os.listdir(step)) == ["model.pt", "rank0.pt", "tokenizer.json"]
+
+
+# ----------------------------------------------------------------------------- main's plan-then-run
+class Numerics:
+    """A context manager that counts how often it was entered."""
+    entered = 0
+
+    def __enter__(self):
+        Numerics.entered += 1
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_main_plans_first_runs_each_mode_and_saves_after_each(tmp_path, monkeypatch, capsys):
+    """Stand-in modes: a mode whose plan raises and one whose run raises are reported; the others run
+    in the numerics, each merged into eval.json by K after it; the estimate sees only the planned;
+    the run ends with exit status 1 and a closing line with the hints that apply."""
+    _, _, step = save_checkpoint(tmp_path)
+    capsys.readouterr()
+    calls, saved, Numerics.entered = [], [], 0
+
+    def plan(mode, settings, defaults, job):
+        calls.append(f"plan {mode}")
+        if mode == "wiki":
+            raise ConnectionError("wiki: no network")
+
+        def run():
+            calls.append(f"run {mode}")
+            if mode == "core":
+                raise RuntimeError("core broke")
+            return {1: {mode: 1.0}, 2: {mode: 2.0}}, {"tokens": len(mode)}
+        return modes.Plan(f"{mode} inputs", 2, run)
+    write_results = report.write_results
+
+    def write(*args, **kwargs):
+        doc = write_results(*args, **kwargs)
+        saved.append(json.loads(json.dumps(doc["results"])))
+        return doc
+    monkeypatch.setattr(ev, "plan", plan)
+    monkeypatch.setattr(ev, "estimate", lambda settings, job, planned: {m: 30.0 * p.forwards
+                                                                        for m, p in planned.items()})
+    monkeypatch.setattr(report, "write_results", write)
+    monkeypatch.setattr(modes.Job, "__init__", lambda self, *args: setattr(self, "numerics", Numerics()))
+    with pytest.raises(SystemExit) as ended:
+        ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=bpb,wiki,core,sample", "--loops=2,1"])
+    out, err = capsys.readouterr()
+    assert ended.value.code == 1
+    assert calls == ["plan bpb", "plan wiki", "plan core", "plan sample", "run bpb", "run core", "run sample"]
+    lines = out.splitlines()
+    assert lines[1:5] == ["plan bpb    bpb inputs", "plan core   core inputs", "plan sample sample inputs",
+                          "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; "
+                          "in all ~3.0 min"]
+    # each mode's time beside its estimate
+    assert lines[5] == "bpb took 0 s (estimated ~1.0 min)" and lines[6].startswith("sample took 0 s (")
+    # a bug keeps its traceback (flt/errors.py); the other modes still run
+    assert err.startswith("plan wiki   cannot run: wiki: no network\neval.py: mode 'core' failed: core broke\n"
+                          "Traceback (most recent call last):\n")
+    assert Numerics.entered == 3
+    # merged after bpb, then after sample
+    assert saved == [{"1": {"bpb": 1.0}, "2": {"bpb": 2.0}},
+                     {"1": {"bpb": 1.0, "sample": 1.0}, "2": {"bpb": 2.0, "sample": 2.0}}]
+    assert err.endswith(f"eval.py: 2 of 4 modes could not run: wiki, core (why: above). Saved in "
+                        f"{step / 'eval.json'}: ['bpb', 'sample']. Inputs are downloaded unless given; "
+                        "without network point at local files: --wiki_path=<wikitext-2-v1 test parquet or "
+                        "wiki.test.tokens>, --bundle_dir=<unpacked eval_bundle>\n")
+    assert out.endswith(f"written to {step / 'eval.json'} and {step / 'eval.md'}\n")
 
 
 # ----------------------------------------------------------------------------- torchrun
@@ -977,7 +1162,7 @@ def test_default_settings_score_the_authors_eval_sh_tokens(tmp_path, monkeypatch
 
     def stop(*args):
         raise Stop
-    monkeypatch.setattr(modes, "estimate", stop)
+    monkeypatch.setattr(ev, "estimate", stop)
     with pytest.raises(Stop):
         ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=bpb", "--val_files=shard_00249.parquet"])
     assert LongSplit.made == [(r, 4, 4, 1024, False) for r in range(4)]

@@ -39,6 +39,8 @@ def cases(t):
             ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--matrix_lr=0"], "matrix_lr=0.0"),
             ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--grad_clip=0"], "grad_clip=0.0"),
             ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--sample_tokens=-1"], "sample_tokens=-1"),
+            ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--log_interval=0"], "log_interval=0"),
+            ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--log_interval=-5"], "log_interval=-5"),
             ([f"--out_dir={w}/run", f"--data_dir={w}/data", f"--tokenizer={w}/nope.json"],
              f"tokenizer='{w}/nope.json'"),
             ([f"--out_dir={w}/run", f"--data_dir={file}"], f"data_dir={file}"),
@@ -59,6 +61,14 @@ def cases(t):
             ([str(run), "--modes=bpb", f"--val_files={w}/nope.parquet"], f"--val_files={w}/nope.parquet"),
             ([str(run), "--modes=bpb", "--protocol_ranks=0"], "--protocol_ranks=0"),
             ([str(run), f"--data_dir={file}"], f"--data_dir={file}"),
+            # settings the chosen modes do not read, drafting's bounds, a file given for a folder
+            ([str(run), "--modes=sample", "--batch_size=4"], "--batch_size=4 is read by the bpb, wiki"),
+            ([str(run), "--modes=bpb", "--sample_tokens=4"], "--sample_tokens=4 is read by the sample mode"),
+            ([str(run), "--modes=sample", "--seed=7"], "--seed=7 does nothing at --temperature=0"),
+            ([str(run), "--modes=sample", "--loops=1", "--draft_loops=1"], "--draft_loops=1: "),
+            ([str(run), "--modes=sample", "--draft_loops=1", "--cache_slots=1"],
+             "--cache_slots=1 with --draft_loops=1"),
+            ([str(file)], f"{file}: a file, not a checkpoint directory"),
         ],
         "-m scripts.bench": [
             (["--mode=nope"], "mode='nope'"),
@@ -69,6 +79,9 @@ def cases(t):
             (["--mode=cache", f"--run={run},{w}/nope"], f"--run: {w}/nope"),
             (["--mode=speculative", f"--run={run}", f"--plot={w}/no/x.png"], f"--plot={w}/no/x.png"),
             (["--mode=cache", f"--run={run}", "--baseline=nosuchcommit"], "--baseline=nosuchcommit"),
+            (["--mode=loader", "--depth=2"], "--depth=2 does nothing in --mode=loader"),
+            (["--mode=hf", "--sequence_len=32"], "--sequence_len=32 does nothing in --mode=hf"),
+            (["--mode=syncs", "--steps=3"], "--steps=3 does nothing in --mode=syncs"),
         ],
         "-m scripts.export_hf": [
             ([f"{w}/nope", f"{w}/hf"], f"run '{w}/nope'"),
@@ -98,6 +111,8 @@ def cases(t):
             (["--tiny", "--device=cpu", "--steps=0", f"--out={w}/x.json"], "--steps=0"),
             (["--tiny", "--device=cpu", "--compile=maybe", f"--out={w}/x.json"], "--compile=maybe"),
             (["--tiny", "--device=cpu", f"--data_dir={file}", f"--out={w}/x.json"], f"--data_dir={file}"),
+            (["--tiny", "--device=cpu", "--parts=decode", "--steps=5"], "--steps=5 does nothing with --parts=decode"),
+            (["--tiny", "--device=cpu", "--parts=numerics", "--compile=off"], "--compile='off' does nothing"),
         ],
         "-m flt.corpus": [
             (["--download", "0", f"--data_dir={w}/data"], "--download=0"),

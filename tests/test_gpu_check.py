@@ -1,9 +1,14 @@
 """scripts/gpu_check.py, the one command that checks and measures the recipe on a GPU, run here in
 its CPU mode (--tiny): the same parts and code paths at a tiny size, so the command cannot rot."""
 import json
+import os
+import re
+import shutil
 
 from conftest import run_module
 from test_train import python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_tiny_gpu_check_runs_every_part_and_reports_what_it_measured(tmp_path, data_dir):
@@ -36,6 +41,23 @@ def test_tiny_gpu_check_runs_every_part_and_reports_what_it_measured(tmp_path, d
     assert n["logits_mean_diff"] < 0.05 * n["logits_std"] and n["argmax_same"] > 0.9
     for row in ("quick start: exit, final val bpb", "decode K=3 B=1", "first 3 losses vs fp32 CPU"):
         assert row in p.stdout
+    # the reference rounded as the measured bpb; no log line of the profiler's own; the file named
+    assert re.search(r"quick start: exit, final val bpb +0, \d\.\d{4} +[+-]\d\.\d\d% vs \d\.\d{4}\n", p.stdout)
+    assert "profiler_st" not in p.stdout + p.stderr and "USDT" not in p.stdout + p.stderr
+    assert re.fullmatch(rf"written to {re.escape(str(out))}; the parts' runs and files are in .*gpu_check\w+",
+                        p.stdout.splitlines()[-1])
+
+
+def test_gpu_check_writes_its_json_beside_its_runs_not_into_the_repository():
+    """Without --out, gpu_check.json goes to the work folder it names (a new temporary one)."""
+    p = python("-m", "scripts.gpu_check", "--tiny", "--device=cpu", "--parts=decode")
+    assert p.returncode == 0, p.stderr[-2000:]
+    written = re.fullmatch(r"written to (.*); the parts' runs and files are in (.*)", p.stdout.splitlines()[-1])
+    path, work = written.groups()
+    assert path == os.path.join(work, "gpu_check.json") and not path.startswith(ROOT)
+    assert list(json.load(open(path))) == ["meta", "decode"]
+    shutil.rmtree(work)
+    assert not os.path.exists(os.path.join(ROOT, "gpu_check.json"))
 
 
 def test_gpu_check_refuses_in_one_line_without_a_gpu_or_with_a_bad_setting(tmp_path):

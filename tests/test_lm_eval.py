@@ -267,8 +267,8 @@ def test_command_prints_one_table_and_writes_one_json(run, tmp_path):
     (["--run", ".", "--loops", "2,a"], ValueError, "--loops='2,a': expected comma-separated integers >= 1"),
     (["--run", ".", "--batch_size", "0"], ValueError, "--batch_size=0: expected a positive integer"),
     (["--run", ".", "--include_path", "no/such/dir"], FileNotFoundError, "--include_path='no/such/dir': no such dir"),
-    (["--run", ".", "--loops", "4,2", "--cache_slots", "3"], ValueError, "--cache_slots=3: expected an integer from "
-     "1 to 2, the smallest loop budget K of [2, 4]"),
+    # generate_until's cache at every K: at most the smallest (flt/decoding.py: check_cache_slots)
+    (["--run", ".", "--loops", "4,2", "--cache_slots", "3"], ValueError, "--cache_slots=3: expected an integer"),
 ])
 def test_a_bad_argument_is_named(args, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -288,6 +288,24 @@ def test_unknown_task_is_named_with_close_names():
         lm_eval_flt.task_names("flt_ppl,flt_mcc", manager)
 
 
+def test_generation_settings_for_tasks_that_only_score_are_refused(monkeypatch):
+    """--cache_slots and --gen_kwargs are read by generate_until tasks only: with tasks that score
+    loglikelihoods alone, each is refused by name before the model loads."""
+    manager = TaskManager(include_path=TASKS, include_defaults=False)
+    assert lm_eval_flt.generation_tasks(["flt_mc", "flt_ppl"], manager) == []
+    assert lm_eval_flt.generation_tasks(["flt_mc", "flt_gen"], manager) == ["flt_gen"]
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+    monkeypatch.setattr(lm_eval_flt, "TaskManager", lambda include_path: manager)
+    monkeypatch.setattr(lm_eval_flt, "load", no_load)
+    for flag, value in (("--cache_slots", "1"), ("--gen_kwargs", "max_gen_toks=2")):
+        shown = value if flag == "--cache_slots" else repr(value)
+        with pytest.raises(ValueError, match=re.escape(f"{flag}={shown} does nothing for --tasks=flt_mc,flt_ppl: "
+                                                       "only generate_until tasks read it")):
+            lm_eval_flt.main(["--run", ".", "--tasks", "flt_mc,flt_ppl", "--loops", "1", flag, value])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
 def test_device_error_is_eval_pys(run):
     with pytest.raises(ValueError) as ours:
@@ -302,7 +320,8 @@ def test_bad_model_arguments_are_named(run):
         adapter(run, loops=[0, 2])
     with pytest.raises(ValueError, match=r"exit_threshold=-0.1: expected a KL threshold >= 0"):
         adapter(run, exit_threshold=-0.1)
-    with pytest.raises(ValueError, match=r"cache_slots=2: expected an integer from 1 to 1"):
+    # at most the smallest K of loops (flt/decoding.py: check_cache_slots)
+    with pytest.raises(ValueError, match=r"^cache_slots=2: expected an integer .*\b1\b"):
         adapter(run, cache_slots=2)
     lm = adapter(run)
     with pytest.raises(ValueError, match=r"K=3: not one of loops=\[1, 2, 4\]"):

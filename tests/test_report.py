@@ -1,13 +1,12 @@
-"""Tests for report.py: Table 1's cells and layout from eval.json-style results, eval.json and
-eval.md (how runs merge into them: tests/test_eval_merge.py), eval.py's command line and its
-plan-then-run, with stand-in modes; and that it imports without torch (plot.py runs without it)."""
+"""Tests for report.py: Table 1's cells and layout from eval.json-style results, what eval.py prints
+of them, eval.json and eval.md (how runs merge into them: tests/test_eval_merge.py), eval.py's
+closing line; and that it imports without torch (plot.py runs without it). eval.py's settings and
+its plan-then-run: tests/test_eval.py."""
 import json
 import os
-import re
 import subprocess
 import sys
 
-import pytest
 
 from flt import report
 
@@ -45,99 +44,25 @@ def test_imports_without_torch():
     assert p.stdout == "ok\n", p.stderr
 
 
-# ----------------------------------------------------------------------------- eval.py's run
-DEFAULTS = dict(modes="bpb", loops="1", exit_thresholds="", batch_size=8, bpb_tokens=10, protocol_ranks=4,
-                protocol_batch=4, cache_slots=None)
-MODES = ("bpb", "wiki", "core", "sample", "exit")
+def test_summary_prints_the_table_only_with_a_row_and_names_what_it_has_no_column_for():
+    """After a mode with no Table 1 column (samples), no empty header: only the line naming them."""
+    samples = {1: {"samples": ["a"]}, 2: {"samples": ["b"], "samples[cache_slots=1]": ["c"]}}
+    assert report.summary(samples) == "samples at K=1,2; samples[cache_slots=1] at K=2\n"
+    assert report.summary({}) == ""
+    both = {1: {"val_bpb": 1.25, "val_bpb_utf8": 1.5}}
+    assert report.summary(both) == report.table(both) + "also held: val_bpb_utf8 at K=1\n"
 
 
-def test_parse_orders_modes_and_loops_and_names_bad_settings(tmp_path):
-    run = str(tmp_path)
-    ckpt, c, modes, loops, thresholds = report.parse(
-        [run, "--modes=exit, bpb,exit", "--loops=6,1,6,3", "--exit_thresholds=0.1,0"], DEFAULTS, "eval.py", MODES)
-    assert (ckpt, modes, loops, thresholds, c.batch_size) == (run, ["bpb", "exit"], [1, 3, 6], [0.1, 0.0], 8)
-    assert DEFAULTS["modes"] == "bpb"  # the defaults are not changed
-    bad = {"--modes=bpb,ppl": "--modes='bpb,ppl': expected a comma-separated subset of bpb,wiki,core,sample,exit",
-           "--loops=1,0": "--loops='1,0': expected comma-separated integers >= 1",
-           "--exit_thresholds=0.1": "--exit_thresholds='0.1': the exit mode needs, and only it takes",
-           "--batch_size=0": "--batch_size=0: expected a positive integer"}
-    for arg, message in bad.items():
-        with pytest.raises(ValueError, match=re.escape(message)):
-            report.parse([run, arg], DEFAULTS, "eval.py", MODES)
-    with pytest.raises(ValueError, match="usage: python eval.py <checkpoint dir>"):
-        report.parse(["--loops=3"], DEFAULTS, "eval.py", MODES)
-    # the settings first, then the checkpoint: a missing one is named before any model loads
-    with pytest.raises(FileNotFoundError, match=re.escape(f"{run}/nope: no such checkpoint directory")):
-        report.parse([f"{run}/nope"], DEFAULTS, "eval.py", MODES)
-
-
-def test_cache_slots_are_for_the_sample_mode_and_at_most_the_smallest_K(tmp_path):
-    """Sampling at each K of --loops decodes with cache_slots loop slots per layer (model.KVCache): 1 to K."""
-    assert report.parse([str(tmp_path), "--modes=sample", "--loops=6,2", "--cache_slots=2"], DEFAULTS, "eval.py",
-                        MODES)[1].cache_slots == 2
-    bad = {("--modes=sample", "--loops=6,2", "--cache_slots=3"): "--cache_slots=3: expected an integer from 1 "
-           "to 2, the smallest loop budget K of [2, 6]",
-           ("--modes=sample", "--cache_slots=0"): "--cache_slots=0: expected an integer from 1 to 1",
-           ("--modes=bpb", "--cache_slots=1"): "--cache_slots=1: only the sample mode decodes with the KV cache"}
-    for args, message in bad.items():
-        with pytest.raises(ValueError, match=re.escape(message)):
-            report.parse([str(tmp_path), *args], DEFAULTS, "eval.py", MODES)
-
-
-class Numerics:
-    """A context manager that counts how often it was entered."""
-    entered = 0
-
-    def __enter__(self):
-        Numerics.entered += 1
-
-    def __exit__(self, *exc):
-        return False
-
-
-def test_run_modes_plans_first_runs_the_rest_and_saves_after_each_mode():
-    """A mode whose plan raises and one whose run raises are reported; the others run in the
-    numerics, each result merged by K and saved after its mode; the estimate sees only the planned."""
-    lines, saved, calls, Numerics.entered = [], [], [], 0
-
-    def plan(name, fail_plan=False, fail_run=False):
-        def planned():
-            calls.append(f"plan {name}")
-            if fail_plan:
-                raise ConnectionError(f"{name}: no network")
-
-            def run():
-                calls.append(f"run {name}")
-                if fail_run:
-                    raise RuntimeError(f"{name} broke")
-                return {1: {name: 1.0}, 3: {name: 3.0}}, {"tokens": len(name)}
-            return f"{name} inputs", 2, run
-        return planned
-    plans = {"bpb": plan("bpb"), "wiki": plan("wiki", fail_plan=True), "core": plan("core", fail_run=True),
-             "sample": plan("sample")}
-    results, measured, failed = report.run_modes(
-        plans, lambda planned: {m: 30.0 * n for m, (_, n, _) in planned.items()}, Numerics(),
-        lambda results, measured: saved.append((json.dumps(results), dict(measured))), [1, 3, 6],
-        lambda line, **kw: lines.append(line))
-    assert calls == ["plan bpb", "plan wiki", "plan core", "plan sample", "run bpb", "run core", "run sample"]
-    assert lines[:5] == ["plan bpb    bpb inputs", "plan wiki   cannot run: wiki: no network",
-                         "plan core   core inputs", "plan sample sample inputs",
-                         "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; "
-                         "in all ~3.0 min"]
-    # each mode's time beside its estimate
-    assert lines[5] == "bpb took 0 s (estimated ~1.0 min)" and lines[7].startswith("sample took 0 s (")
-    # a bug keeps its traceback (flt/errors.py); the other modes still run
-    assert lines[6].startswith("eval.py: mode 'core' failed: core broke\nTraceback (most recent call last):\n")
-    assert lines[6].endswith("RuntimeError: core broke") and Numerics.entered == 3
-    assert results == {1: {"bpb": 1.0, "sample": 1.0}, 3: {"bpb": 3.0, "sample": 3.0}, 6: {}}
-    assert measured == {"bpb": {"tokens": 3}, "sample": {"tokens": 6}} and list(failed) == ["wiki", "core"]
-    assert [m for _, m in saved] == [{"bpb": {"tokens": 3}}, measured]  # after bpb, after sample
-    assert json.loads(saved[0][0]) == {"1": {"bpb": 1.0}, "3": {"bpb": 3.0}, "6": {}}
-    closing = report.failures(failed, 4, "x/eval.json", measured)
-    assert closing.startswith("eval.py: 2 of 4 modes could not run: wiki, core (why: above). "
-                              "Saved in x/eval.json: ['bpb', 'sample'].")
-    assert closing.endswith("local files: --wiki_path=<wikitext-2-v1 test parquet or wiki.test.tokens>, "
-                            "--bundle_dir=<unpacked eval_bundle>")
+def test_the_closing_line_names_the_failed_modes_and_only_the_hints_that_apply():
+    measured = {"bpb": {}, "sample": {}}
+    offline = {"wiki": "--wiki_path=<file>", "core": "--bundle_dir=<dir>"}
+    closing = report.failures({"wiki": None, "core": None}, 4, "x/eval.json", measured, offline)
+    assert closing == ("eval.py: 2 of 4 modes could not run: wiki, core (why: above). Saved in x/eval.json: "
+                       "['bpb', 'sample']. Inputs are downloaded unless given; without network point at "
+                       "local files: --wiki_path=<file>, --bundle_dir=<dir>")
+    # a mode that fetches nothing: no download hint, no dangling colon
+    assert report.failures({"tasks": None}, 1, "x/eval.json", {}, offline) == (
+        "eval.py: 1 of 1 modes could not run: tasks (why: above). Saved in x/eval.json: nothing.")
 
 
 def test_write_results_writes_eval_json_and_eval_md_beside_it():
