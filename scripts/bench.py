@@ -606,7 +606,7 @@ def checked_runs():
 
 
 def cache():
-    """The loop cache's price (model.KVCache's cache_slots: m loop slots per layer) for each run of `run`:
+    """The loop cache's price (flt/decoding.py's KVCache, cache_slots: m loop slots per layer) for each run of `run`:
     at its trained K for m in {1, 2, ceil(K/2), K} and at K' = 2K for every m, the cache's bytes per token
     (counted from the tensors it allocated) and their ratio to the exact cache (m = K); val bpb of
     teacher-forced cached decoding (one token a step, as generation feeds them) and of the full forward on

@@ -58,7 +58,7 @@ class LoopedLM(TemplateLM):
     loglikelihood and loglikelihood_rolling are scored at every K of `loops` in one forward at
     max(loops) (eval.score_sequences) and kept in self.scores, so a later run at a smaller K costs no
     forward. generate_until decodes at self.K only: a continuation at one K says nothing of another's; its
-    KV cache keeps cache_slots loop slots per layer (model.KVCache; None = K, the exact cache)."""
+    KV cache keeps cache_slots loop slots per layer (flt/decoding.py's KVCache; None = K, the exact cache)."""
 
     def __init__(self, model, tokenizer, loops, numerics=nullcontext(), exit_threshold=None, batch_size=32,
                  log=print, cache_slots=None):

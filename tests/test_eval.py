@@ -936,7 +936,7 @@ def test_every_setting_a_chosen_mode_does_not_read_is_refused():
 
 
 def test_cache_slots_are_at_most_the_smallest_K():
-    """Sampling at each K of --loops decodes with cache_slots loop slots per layer (model.KVCache): 1 to
+    """Sampling at each K of --loops decodes with cache_slots loop slots per layer (flt/decoding.py: KVCache): 1 to
     the smallest K (flt/decoding.py: check_cache_slots)."""
     assert read("--modes=sample", "--loops=6,2", "--cache_slots=2").cache_slots == 2
     for args, bound in ((("--loops=6,2", "--cache_slots=3"), "2"), (("--cache_slots=0",), "1")):

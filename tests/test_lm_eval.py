@@ -203,7 +203,7 @@ def test_greedy_generation_equals_an_uncached_argmax_loop(redrawn, exit_threshol
 
 
 def test_generation_decodes_with_the_cache_slots_asked_for(redrawn, monkeypatch):
-    """cache_slots (model.KVCache's loop slots per layer) reaches model.generate and the model's info."""
+    """cache_slots (the loop slots per layer of flt/decoding.py: KVCache) reaches model.generate and the model's info."""
     lm, seen = adapter(redrawn, loops=[2, 4], cache_slots=1).at(4), []
     generate = lm.model.generate
     monkeypatch.setattr(lm.model, "generate", lambda *args, **kw: seen.append(kw["cache_slots"]) or generate(*args, **kw))

@@ -57,3 +57,17 @@ def test_the_gpt_class_stays_under_200_lines():
                if isinstance(node, ast.ClassDef) and node.name == "GPT")
     body = source.splitlines()[gpt.lineno - 1:gpt.end_lineno]
     assert len([line for line in body if line.strip()]) < 200
+
+
+def test_the_loop_is_one_short_function_with_few_options():
+    # Sec. 4's loop in one place: restart, the blocks with their injection, norm; decoding, the exit
+    # rule, truncated backprop and checkpointing attach as one line each, not as options
+    with open(os.path.join(ROOT, "model.py")) as f:
+        source = f.read()
+    gpt = next(node for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef) and node.name == "GPT")
+    loop = next(node for node in gpt.body
+                if isinstance(node, ast.FunctionDef) and node.name == "loop_states")
+    assert loop.end_lineno - loop.lineno + 1 <= 40
+    options = [a.arg for a in loop.args.args + loop.args.kwonlyargs if a.arg not in ("self", "idx")]
+    assert len(options) <= 4, options
