@@ -26,7 +26,7 @@ from flt import errors, report
 
 
 # ----------------------------------------------------------------------------- reading runs
-def run_dir(path):
+def enclosing_run(path):
     """train.py's out_dir holding path: a run directory, a step_* directory or a file in either."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
@@ -36,7 +36,7 @@ def run_dir(path):
 
 def run_settings(path):
     """The run's training settings (out_dir/settings.json, written by train.py); {} if it has none."""
-    settings = os.path.join(run_dir(path), "settings.json")
+    settings = os.path.join(enclosing_run(path), "settings.json")
     if not os.path.isfile(settings):
         return {}
     with open(settings) as f:
@@ -58,7 +58,7 @@ def model_name(settings):
 def run_name(path):
     """The run's model name from its settings, else its directory's name."""
     settings = run_settings(path)
-    return model_name(settings) if settings else os.path.basename(run_dir(path))
+    return model_name(settings) if settings else os.path.basename(enclosing_run(path))
 
 
 def default_label(path):
@@ -75,7 +75,7 @@ def read_log(path):
     appends to the same log, so a step may appear twice: the last occurrence wins. Evaluation-only
     records (the final step) have no "loss"."""
     if os.path.isdir(path):
-        path = os.path.join(run_dir(path), "log.jsonl")
+        path = os.path.join(enclosing_run(path), "log.jsonl")
     records = {}
     with open(path) as f:
         for line in f:
@@ -87,7 +87,7 @@ def read_log(path):
 
 def diverged(path):
     """Whether the run's log marks it diverged (a record with "diverged": true)."""
-    log = os.path.join(run_dir(path), "log.jsonl")
+    log = os.path.join(enclosing_run(path), "log.jsonl")
     return os.path.isfile(log) and any(r.get("diverged") for r in read_log(log))
 
 
@@ -247,36 +247,40 @@ def exit_curves(evals, labels, label=None):
 
 def depth_curves(evals, labels, loops):
     """A reasoning task's accuracy (eval.py --modes=tasks): against K at evaluation, one line per
-    run; and against the task's difficulty at each K of `loops` (default: the run's trained K and
-    its largest evaluated K; a run trained at K = 1, not looped, at K = 1 only), a line per run
-    and K."""
+    run; and, in a panel per run, against the task's difficulty at every evaluated K (or those of
+    `loops`), a line per K. Lines that coincide (two K at 1.0) stay visible: each K has its own
+    marker, drawn larger the smaller K is, so equal points show as rings around each other."""
     plt = pyplot()
-    fig, (by_k, by_level) = plt.subplots(1, 2, figsize=(11, 4.4))
-    evaluated = set()
-    for i, (path, label) in enumerate(zip(evals, labels)):
+    runs = []
+    for path, label in zip(evals, labels):
         results = {K: r for K, r in read_eval(path).items() if "task_acc" in r}
-        evaluated |= set(results)
         if not results:
             raise ValueError(f"{path}: no task accuracy in its eval.json; run eval.py --modes=tasks")
         depth = run_settings(path).get("depth")
-        label = f"{label}, {depth} blocks" if depth else label
+        runs.append((f"{label}, {depth} blocks" if depth else label, results))
+    evaluated = sorted({K for _, results in runs for K in results})
+    fig, axes = plt.subplots(1, 1 + len(runs), figsize=(4.6 * (1 + len(runs)), 4.4), squeeze=False)
+    by_k, panels = axes[0][0], axes[0][1:]
+    for i, (label, results) in enumerate(runs):
         by_k.plot(list(results), [r["task_acc"] for r in results.values()], "o-", color=f"C{i}",
                   label=label)
-        trained = run_settings(path).get("loops")
-        default = [trained] if trained == 1 else [trained, max(results)]
-        shown = [K for K in loops or dict.fromkeys(default) if K in results]
-        for K, style in zip(shown, ("o-", "s--", "^:", "v-.")):
-            levels = results[K]["task_acc_by_difficulty"]
-            by_level.plot([int(d) for d in levels], list(levels.values()), style, color=f"C{i}",
-                          label=f"{label} at K={K}")
     by_k.set(title="Accuracy against loops at evaluation", xlabel="loops at evaluation (K)",
-             ylabel="exact-match accuracy", xscale="log", ylim=(0, 1.02))
+             ylabel="exact-match accuracy", xscale="log", ylim=(0, 1.05))
     by_k.minorticks_off()
-    by_k.set_xticks(sorted(evaluated))
-    by_k.set_xticklabels(by_k.get_xticks())
-    by_level.set(title="Accuracy against difficulty", xlabel="difficulty (prefix length or hops)",
-                 ylabel="exact-match accuracy", ylim=(0, 1.02))
-    for ax in (by_k, by_level):
+    by_k.set_xticks(evaluated)
+    by_k.set_xticklabels(evaluated)
+    colors = plt.get_cmap("viridis")
+    markers = "osD^vP*X"
+    for ax, (label, results) in zip(panels, runs):
+        shown = [K for K in loops or evaluated if K in results]
+        for j, K in enumerate(shown):
+            levels = results[K]["task_acc_by_difficulty"]
+            ax.plot([int(d) for d in levels], list(levels.values()), "-",
+                    marker=markers[j % len(markers)], ms=4 + 2 * (len(shown) - j), mfc="none",
+                    color=colors(j / max(1, len(shown) - 1)), label=f"{label} at K={K}")
+        ax.set(title=label, xlabel="difficulty (prefix length or hops)",
+               ylabel="exact-match accuracy", ylim=(0, 1.05))
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
     return fig
@@ -330,15 +334,15 @@ def main(argv):
         p = commands.add_parser(command, help=text, description=text)
         p.add_argument("runs", nargs="+", help="run directories (out_dir), or files or step_* directories in them")
         p.add_argument("--labels", nargs="+", help="one per run (default: <variant> K=<loops> from settings.json)")
-        p.add_argument("-o", "--out", default=None if command == "table" else f"{command}.png",
-                       help="Markdown file (default: stdout)" if command == "table" else "PNG to write")
+        p.add_argument("-o", "--out", help="Markdown file (default: stdout)" if command == "table" else
+                       f"PNG to write (default: {command}.png in the folder the runs share)")
     commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
                                            "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
     commands.choices["exit"].add_argument("--label", help="draw the results eval.py kept apart under this "
                                           "label (e.g. bpb_tokens=32768) instead of the default ones")
     commands.choices["depth"].add_argument("--loops", nargs="+", type=int, default=[], help="the Ks whose accuracy by "
-                                           "difficulty is drawn (default: the trained K and the largest)")
+                                           "difficulty is drawn (default: every K evaluated)")
     for command in ("diag", "grads"):
         commands.choices[command].add_argument("--clipped", action="store_true", help="gradient norms as the "
                                                "authors' base_check.py logged them: rank 0's own, after clipping")
@@ -351,6 +355,10 @@ def main(argv):
             raise FileNotFoundError(f"{path}: no such run, step directory or file")
     for k in getattr(args, "loops", ()):
         errors.positive("--loops", k)
+    if args.command != "table" and not args.out:
+        # beside the runs, never into the folder the command was run from
+        args.out = os.path.join(os.path.commonpath([enclosing_run(p) for p in args.runs]),
+                                f"{args.command}.png")
     if args.out:
         errors.output_file("--out", args.out)
     if args.command == "table":

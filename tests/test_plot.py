@@ -167,17 +167,22 @@ def test_depth_draws_task_accuracy_against_K_and_difficulty(tmp_path):
         (run / "step_000010").mkdir()
         (run / "step_000010" / "eval.json").write_text(json.dumps({"results": results}))
         runs.append(str(run))
-    fig = plot.main(["depth", *runs, "-o", str(tmp_path / "depth.png")])
-    by_k, by_level = fig.axes
+    fig = plot.main(["depth", *runs])
+    by_k, looped, deep = fig.axes
     assert lines_of(by_k)["FLT K=4, 2 blocks"] == ([1, 2, 4, 8], pytest.approx([0.2, 0.4, 0.8, 1.6]))
-    # by difficulty: at the trained K and the largest, for each run
-    drawn = lines_of(by_level)
-    # a run trained at K = 1 (not looped) at K = 1 only
-    assert set(drawn) == {"FLT K=4, 2 blocks at K=4", "FLT K=4, 2 blocks at K=8",
-                          "FLT K=1, 8 blocks at K=1"}
-    assert drawn["FLT K=4, 2 blocks at K=8"] == ([1, 2, 3], pytest.approx([1 / 9, 1 / 10, 1 / 11]))
+    # by difficulty: a panel per run, a line at every K evaluated
+    assert set(lines_of(looped)) == {f"FLT K=4, 2 blocks at K={K}" for K in (1, 2, 4, 8)}
+    assert set(lines_of(deep)) == {f"FLT K=1, 8 blocks at K={K}" for K in (1, 2, 4, 8)}
+    assert lines_of(looped)["FLT K=4, 2 blocks at K=8"] == ([1, 2, 3],
+                                                            pytest.approx([1 / 9, 1 / 10, 1 / 11]))
+    # equal points stay visible: every K its own marker, larger the smaller K is
+    drawn = looped.get_lines()
+    assert len({line.get_marker() for line in drawn}) == 4
+    assert [line.get_markersize() for line in drawn] == sorted(
+        (line.get_markersize() for line in drawn), reverse=True)
     fig = plot.main(["depth", *runs, "--loops", "2", "-o", str(tmp_path / "two.png")])
     assert {label.rpartition(" at ")[2] for label in lines_of(fig.axes[1])} == {"K=2"}
+    # without -o: beside the runs (the folder they share), not where the command ran
     assert_png(tmp_path / "depth.png")
     write_eval(tmp_path / "text" / "step_000010" / "eval.json", [1, 3])
     with pytest.raises(ValueError, match="no task accuracy.*--modes=tasks"):
