@@ -40,8 +40,8 @@ def configure(namespace, argv, source=None):
     """Apply config files and --key=value flags from argv to the settings in namespace (a
     script's globals()), in place; return the final settings as a dict. --help (or -h) prints
     the settings of the script `source` (default: namespace's __file__) and exits. A script's
-    `_WORDS = {key: (word, ...)}` lets a setting also take those strings (--resume=auto)."""
-    defaults, words = settings_of(namespace), namespace.get("_WORDS", {})
+    `_ALSO_ACCEPTS = {key: (word, ...)}` lets a setting also take those strings (--resume=auto)."""
+    defaults, words = settings_of(namespace), namespace.get("_ALSO_ACCEPTS", {})
     usage.help_requested(argv, source or namespace.get("__file__"), defaults)  # prints, exits
     for arg in argv:
         if arg.startswith("--"):

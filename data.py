@@ -158,7 +158,7 @@ class DataLoader:
     "row_group", "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's
     "epoch_tokens" read and "epoch_batches" begun: a loader built with
     state=loader.state_dict() after batch n yields batch n+1; state=[every rank's state] of
-    another world size: checkpoint.continue_loader. While a row group is used, the next
+    another world size: loader_state.continue_loader. While a row group is used, the next
     `prefetch` are tokenized in a background thread (train.py's loader_prefetch).
     """
 

@@ -1,15 +1,13 @@
-"""
-Optimizers for the Fully Looped Transformer (the paper's recipe, docs/recipe.md): Muon for every
+"""Optimizers for the Fully Looped Transformer (the paper's recipe, docs/recipe.md): Muon for every
 2-D matrix inside the blocks; AdamW for the token embedding and the LM head, a lookup table and a
 classifier rather than maps between hidden states, so orthogonalising their updates makes no sense.
 `build_optimizers(model)` splits the parameters by name into [adamw, muon]; the training loop sets
 `group['lr']` from `group['initial_lr']` (and Muon's `group['momentum']` warm-up) every step.
-`sample_loops` draws each step's K when K varies (train.py's loops_sampler, beyond the paper).
 
 The contract (no DDP: the optimizers own the gradient reduction), alike in one process or torchrun:
   1. backward on each micro-batch: p.grad is this rank's own, un-averaged gradient.
-  2. norms, summed = reduce_gradients(optimizers, summed) averages every gradient over the ranks
-     and returns {parameter: squared L2 norm of its averaged gradient} and the caller's `summed`
+  2. sq_norms, sums = reduce_gradients(optimizers, to_sum) averages every gradient over the ranks
+     and returns {parameter: squared L2 norm of its averaged gradient} and the caller's `to_sum`
      summed over the ranks (0-d device tensors, equal on every rank, read by the caller in one
      go), so clipping and the per-module diagnostics see the averaged gradient, as under DDP.
   3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged gradient (c = the
@@ -17,14 +15,14 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      gradients (scaled in place): zero them next. step() alone first reduces by itself.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
 rank updates, an all-gather of the updated pieces: 2P elements of buffers (DDP: 3P, an all-reduce,
-then sharing the updates), plus an all_reduce of one number per parameter tensor for the norms (and
-`summed`). One process skips every collective. gloo runs reduce_scatter_single / all_gather_single
-(torch 2.13's reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
+then sharing the updates), plus an all_reduce of one number per parameter tensor (and `to_sum`).
+One process skips every collective. gloo runs reduce_scatter_single / all_gather_single (torch
+2.13's reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
 
 The state is per rank (its own slices or matrices): save one state_dict() per rank. It holds only
 tensors, numbers and strings (torch.load(weights_only=True) reads it), and world_size and rank:
-load_state_dict refuses another rank's. _owns(p) and _piece(p, whole) say which piece
-of a parameter's state a rank keeps: checkpoint.py reshards a run saved with another world size.
+load_state_dict refuses another rank's. owns(p) and piece(p, whole) say which piece of a
+parameter's state a rank keeps: flt/checkpoint.py reshards a run saved with another world size.
 """
 
 import math
@@ -35,8 +33,7 @@ import torch.nn.functional as F
 
 
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
-    """
-    Approximately replace G = U S V^T by U V^T (the nearest semi-orthogonal matrix).
+    """Approximately replace G = U S V^T by U V^T (the nearest semi-orthogonal matrix).
 
     A quintic Newton-Schulz iteration X <- aX + b(XX^T)X + c(XX^T)^2 X maps each
     singular value s of X to p(s) = as + bs^3 + cs^5 and leaves U, V untouched. The
@@ -94,7 +91,8 @@ class _Sharded(torch.optim.Optimizer):
         self._reduced = None  # {param: this rank's piece of its averaged gradient}, until step()
         self._pending = []    # async reduce-scatters; then (all-gather, its output, params)
 
-    def _params(self):
+    def parameters(self):
+        """Every parameter, group by group: the order of state_dict()'s indices."""
         return [p for group in self.param_groups for p in group["params"]]
 
     # The collectives move equal flat pieces of `size` elements, one per rank, so both
@@ -134,7 +132,7 @@ class _Sharded(torch.optim.Optimizer):
         """{param: this rank's share of its averaged gradient's squared norm} (sum over ranks)."""
         reduced = self._averaged()
         squares = {p: squared_norm(g) for p, g in reduced.items()}
-        return {p: squares.get(p, torch.zeros((), device=p.device)) for p in self._params()}
+        return {p: squares.get(p, torch.zeros((), device=p.device)) for p in self.parameters()}
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):
@@ -162,8 +160,7 @@ class _Sharded(torch.optim.Optimizer):
 
 
 class Muon(_Sharded):
-    """
-    Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
+    """Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
 
     SGD with momentum steps along the momentum M, whose spectrum is dominated by a few
     large singular directions, already being learned. Muon flattens the spectrum: it
@@ -218,16 +215,17 @@ class Muon(_Sharded):
             # In a short block, a rank without a matrix sends only padding (zeros).
             self._all_gather(block[0].new_empty(0) if p is None else p, block, block[0].numel())
 
-    def _owns(self, p):
+    def owns(self, p):
+        """Whether this rank keeps p's state: the matrix it updates in p's block."""
         return any(p is mine for _, _, mine in self._blocks())
 
-    def _piece(self, p, full):
-        return full  # a matrix's state is whole, on the rank that owns it
+    def piece(self, p, full):
+        """This rank's piece of `full`, a state tensor of p's shape: a matrix's state is whole."""
+        return full
 
 
 class AdamW(_Sharded):
-    """
-    AdamW with ZeRO-2 sharding: state and gradient split over the ranks.
+    """AdamW with ZeRO-2 sharding: state and gradient split over the ranks.
 
     The update is elementwise, so rank r can update just its slice of each parameter:
     viewed flat and cut into world_size slices of ceil(numel / world_size) elements
@@ -247,12 +245,15 @@ class AdamW(_Sharded):
         return shard, lo, min(lo + shard, p.numel())
 
     def _reduce_scatter_grads(self):
-        return {p: self._reduce_scatter([p.grad], self._shard_bounds(p)[0]) for p in self._params()}
+        return {p: self._reduce_scatter([p.grad], self._shard_bounds(p)[0])
+                for p in self.parameters()}
 
-    def _owns(self, p):
-        return True  # a slice of every parameter, empty where numel < world_size
+    def owns(self, p):
+        """True: this rank keeps a slice of every parameter, empty where numel < world_size."""
+        return True
 
-    def _piece(self, p, full):
+    def piece(self, p, full):
+        """This rank's slice of `full`, a state tensor of p's shape, flat (as its exp_avg)."""
         _, lo, hi = self._shard_bounds(p)
         return full.view(-1)[lo:hi].clone()
 
@@ -280,17 +281,17 @@ class AdamW(_Sharded):
 
 
 @torch.no_grad()
-def reduce_gradients(optimizers, summed=None):
+def reduce_gradients(optimizers, to_sum=None):
     """Average the gradients over the ranks. Returns ({parameter: squared L2 norm of its average},
-    `summed` ({name: 0-d tensor}) summed over the ranks): device tensors of one all-reduce."""
+    `to_sum` ({name: 0-d tensor}) summed over the ranks): device tensors of one all-reduce."""
     for opt in optimizers:
         opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
     shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}
-    values = torch.stack([*shares.values(), *(v.float() for v in (summed or {}).values())])
+    values = torch.stack([*shares.values(), *(v.float() for v in (to_sum or {}).values())])
     if any(opt.world_size > 1 for opt in optimizers):
         dist.all_reduce(values)  # each rank holds the squares of its slices and matrices
     values = values.unbind()
-    return dict(zip(shares, values)), dict(zip(summed or {}, values[len(shares):]))
+    return dict(zip(shares, values)), dict(zip(to_sum or {}, values[len(shares):]))
 
 
 def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
@@ -303,8 +304,7 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
     ns_dtype (None = bf16 on CUDA, float32 elsewhere). Every parameter must land in
     exactly one group, else ValueError naming it. Each param group gets `initial_lr`,
     the base of the schedule. distributed=True (torch.distributed initialised) shards
-    both optimizers over the ranks; the model is not wrapped in DDP.
-    """
+    both optimizers over the ranks; the model is not wrapped in DDP."""
     # The AdamW learning rates were tuned at d_model = 768; scale like 1/sqrt(width).
     scale = (768 / model.config.n_embd) ** 0.5
     embedding, head, matrices, seen = [], [], [], {}

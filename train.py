@@ -19,7 +19,7 @@ import eval as evaluation
 from configurator import configure
 from flt import checkpoint, cluster, core, corpus, diagnostics, errors, inputs, planning, runtime
 from flt import tasks, tracking
-from flt.guard import Guard, resume_point
+from flt.guard import Guard, restore_ranks, resume_point
 from flt.runtime import print0
 from model import GPT, GPTConfig
 from optim import build_optimizers, clip_coefficient, lr_multiplier, muon_momentum
@@ -29,7 +29,6 @@ from optim import reduce_gradients, sample_loops
 errors.install("train.py")
 
 # ----------------------------------------------------------------------------- settings
-# docs/recipe.md explains each of them
 # The loop (Sec. 4): where each of the K loops starts, what it injects (model.py)
 variant = "FLT"             # LT | LT_i | LT_ai | FLT_res | FLT
 loops = 3                   # K
@@ -80,6 +79,7 @@ sample_tokens = 64          # 0 = none
 # What training watches: gradient norms (Figs. 3 and 8), divergence
 watch_layer = -1            # -1 = the paper's "5th layer", or the last
 log_clipped_norms = False
+log_interval = 10           # print a step's line every N steps (log.jsonl: every step)
 divergence_window = 0       # stop after N steps diverged by divergence_nats (0 = never)
 divergence_nats = 1.0
 wandb_project = ""          # empty = off
@@ -99,12 +99,12 @@ compile = "auto"            # on | off | auto (CUDA only)
 dist_timeout = 1800
 dry_run = False
 gpu = ""                    # dry_run: the accelerator to plan for
-_WORDS = {"resume": ("auto",)}
+_ALSO_ACCEPTS = {"resume": ("auto",)}
 _defaults = dict(globals())
 settings = configure(globals(), sys.argv[1:])
 # errors that name the setting, before any work; the run's directory, e.g. out/base_flt_k9
 planning.check_settings(settings, _defaults)
-out_dir = settings["out_dir"] = planning.run_dir(settings)
+out_dir = settings["out_dir"] = planning.out_dir_of(settings)
 
 # ----------------------------------------------------------------------------- setup
 # The process: torchrun's rank and world size, this rank's device, its precision (flt/runtime.py);
@@ -135,16 +135,18 @@ config = GPTConfig(sequence_len=sequence_len, n_layer=depth, n_head=n_head, n_kv
 
 # The run directory: checked and locked (held while the run lives) before any data is built or
 # fetched; --dry_run plans without one
-run_lock = checkpoint.claim_out_dir(out_dir, resume, overwrite) if master and not dry_run else None
+if master and not dry_run:
+    run_lock = checkpoint.claim_out_dir(out_dir, resume, overwrite)
+    print(f"run directory: {out_dir}")
 # The vocabulary: the tokenizer's (flt/inputs.py builds the embedded corpus's BPE here)
 config.vocab_size = inputs.vocab_size(settings)
 # its size and cost, before any memory is spent: on the meta device
 with torch.device("meta"):
-    sized = GPT(config)
+    meta_model = GPT(config)
 
 # The horizon: 20 training tokens per parameter, counting every parameter as the authors' code
 # does, or (horizon_params="non_embedding") all but the token embedding, as the appendix says.
-params = {"all": sized.num_params()}
+params = {"all": meta_model.num_params()}
 params["non_embedding"] = params["all"] - config.padded_vocab * n_embd
 horizon_tokens = {count: 20 * n for count, n in params.items()}
 if num_steps == -1:
@@ -152,7 +154,7 @@ if num_steps == -1:
 
 # --dry_run: what the run would cost (size, horizon, FLOPs, data, memory, hours), then exit
 if dry_run:
-    print(planning.plan(settings, sized, params, horizon_tokens, num_steps, world_size))
+    print(planning.plan(settings, meta_model, params, horizon_tokens, num_steps, world_size))
     sys.exit(0)
 # the settings each checkpoint saves hold the precision resolved: eval.py runs it at that
 settings["dtype"] = dtype
@@ -195,31 +197,27 @@ autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=dtype ==
 print0(planning.summary(model, params, settings, num_steps, grad_accum, device, world_size))
 
 # The optimizers (optim.py); a resumed rank restores its own state or, saved by another number of
-# ranks, every rank's (resharded), and the RNGs
+# ranks, every rank's (resharded), and the RNGs (flt/guard.py)
 adamw, muon = build_optimizers(model, distributed=world_size > 1, matrix_lr=matrix_lr,
                                embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
                                ns_dtype=torch.bfloat16 if dtype == "bf16" else None)
 # in this order in every checkpoint's rank state
 optimizers = [adamw, muon]
-loader_state = None
-monitor = diagnostics.NEW_MONITOR
-if ckpt_path:
-    rank_states = checkpoint.load_rank_states(ckpt_path, meta, rank, world_size, device)
-    loader_state, monitor = checkpoint.restore_rank_state(rank_states, optimizers, rank, cuda)
+loader_state, monitor, saved_ranks = restore_ranks(rt, ckpt_path, meta, optimizers)
 # torch.compile of the blocks, not the whole model: checkpoint_loops keeps working
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)
 
 # The loader: this rank's batches, continued where the checkpoint left off; a synthetic task
 # (flt/tasks.py) generates its items from the seed
-task = tasks.get(settings)
+task = tasks.task_of(settings)
 loader = task.loader(device_batch_size, rank, world_size, device, seed, loader_state) if task else \
     data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                     state=loader_state, prefetch=loader_prefetch)
-resharded = ckpt_path and checkpoint.resharded(ckpt_path, step, len(rank_states), world_size,
+resharded = ckpt_path and checkpoint.resharded(ckpt_path, step, saved_ranks, world_size,
                                                loader.skipped_documents, log=print0)
-# the modules whose gradient norms Figures 3 and 8 show
-watched = diagnostics.watched_modules(model, watch_layer)
+# the modules whose gradient norms Figures 3 and 8 show (and, rank 0, the authors' clipped view)
+watch = diagnostics.Watch(model, watch_layer, clipped=master and log_clipped_norms)
 # n_tokens -> this rank's validation chunks: the same held-out tokens every time
 val_chunks = {}
 
@@ -272,12 +270,12 @@ def set_schedules(step):
 log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps}, tracker)
 if resharded:
     log.write(resharded)
-bptt = None if bptt_loops == -1 else bptt_loops
+# truncated backprop through the loops (model.py): the last bptt_loops loops; None = every loop
+truncated_bptt = None if bptt_loops == -1 else bptt_loops
 peak = planning.peak_flops(torch.cuda.get_device_name(device) if cuda else str(device))
 # preemption, time-based saves, the last good checkpoint, a full disk, divergence (flt/guard.py)
-guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor,
-              save_interval_minutes=save_interval_minutes, divergence_window=divergence_window,
-              divergence_nats=divergence_nats)
+guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_nats=divergence_nats,
+              save_interval_minutes=save_interval_minutes, divergence_window=divergence_window)
 timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; the schedules, forward and backward over the
 # micro-batches; the one reduction and the one host read; clip and step; log.
@@ -309,40 +307,37 @@ while True:
     for micro in range(grad_accum):
         x, y = next(loader)
         with autocast:
-            loss, looped = model(x, y, loops=K, bptt_loops=bptt, return_loops=True)
+            loss, looped = model(x, y, loops=K, bptt_loops=truncated_bptt, return_loops=True)
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The one all-reduce (gradients, loss, a residual norm checked finite, guard flags), one read
-    own = diagnostics.own_gradient_norms(model, watched) if master and log_clipped_norms else None
-    summed = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
-    sq_norms, summed = reduce_gradients(optimizers, summed)
-    host = diagnostics.read(**summed, norms=diagnostics.gradient_norms(sq_norms, watched), own=own,
-                            resid_norms=looped.resid_norms)
-    dt = timer.lap()
-    train_loss = host["loss"] / world_size
-    record.update(diagnostics.norm_record(host["norms"], watched))
-    guard.check(step, host, train_loss, record["grad_norm"])
-    clip = clip_coefficient(record["grad_norm"], grad_clip)
+    # The one all-reduce (optim.py): the gradients averaged over the ranks, and summed with them the
+    # loss, the largest residual norm and the guard's flags (a preemption signal, the save clock)
+    to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
+    sq_norms, sums = reduce_gradients(optimizers, to_sum)
+    grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
+    # The one host read (a GPU's one wait): the step's numbers, and what diagnostics record
+    numbers = runtime.to_host(grad_norm=grad_norm, **sums, **watch.tensors(sq_norms, looped))
+    train_loss = numbers["loss"] / world_size
+    # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good
+    guard.stop_if_not_finite(step, train_loss, numbers["grad_norm"], numbers["resid"])
+    clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:
         opt.step(grad_scale=clip)
     model.zero_grad(set_to_none=True)  # None, not zeros: frees the memory until the backward
+    dt = timer.lap()
+    # a preemption or a save due on any rank (the ranks agreed): acted on at the next pass's start
+    guard.take_flags(numbers)
 
-    # Log: grad_norm and grad_<module> (Figs. 3, 8); tokens/s of the step time, which needs no
-    # torch.cuda.synchronize: the read above is the one wait
-    tok_per_s = total_batch_size / dt
-    flops_per_token = model.estimate_flops(K, bptt)  # the K actually run, backprop as run
-    mfu = flops_per_token * tok_per_s / (peak * world_size) if peak else None
-    # grad_<module>_clipped: the authors' view, only with log_clipped_norms
-    record.update(diagnostics.norm_record(host.get("own"), watched, grad_clip))
-    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=host["resid_norms"],
-                  tok_per_s=tok_per_s, dt=dt, mfu=mfu)
-    # the first steps show whether the memory estimate holds
-    if cuda and step < start_step + 10:
-        record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print0(f"step {step:5d}/{num_steps} | loss {train_loss:.4f} | K {K} | lrm {lrm:.2f} | "
-           f"grad {record['grad_norm']:.2f} | resid {host['resid_norms'][-1]:.1f} | "
-           f"{tok_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if peak else ""))
+    # Log every step to log.jsonl, a line every log_interval steps (flt/diagnostics.py): grad_norm,
+    # grad_<module> (Figs. 3, 8), residual norms, tok/s, MFU of the FLOPs run, early CUDA memory
+    flops_per_token = model.estimate_flops(K, truncated_bptt)
+    record.update(grad_norm=numbers["grad_norm"], **watch.record(numbers, grad_clip))
+    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=numbers["resid_norms"])
+    record.update(diagnostics.speed(total_batch_size, dt, flops_per_token, peak, world_size,
+                                    memory=cuda and step < start_step + 10))
+    if step % log_interval == 0:
+        print0(diagnostics.step_line(record, num_steps))
     log.write(record)
     guard.watch_divergence(step, train_loss)
     step += 1
@@ -354,4 +349,5 @@ if master and sample_tokens > 0:  # the trained model continues "The"
         text = runtime.sample(model, tok, "The", sample_tokens, temperature=0.8, top_k=50,
                               seed=seed)
     print(runtime.framed("sample: temperature 0.8, top_k 50", text))
+print0(f"run directory: {out_dir}; its last checkpoint: {guard.last_good}")
 runtime.finish(rt)

@@ -183,7 +183,7 @@ def full_optimizer_state(opt, states):
     if [(s.get("world_size"), s.get("rank")) for s in states] != [(len(states), r) for r in range(len(states))]:
         raise ValueError(f"optimizer states of (world_size, rank) {[(s.get('world_size'), s.get('rank')) for s in states]}"
                          f": expected every rank of the saved run, in rank order")
-    pieces, params = {}, opt._params()
+    pieces, params = {}, opt.parameters()
     for s in states:
         for i, state in s["state"].items():
             for key, value in state.items():
@@ -198,9 +198,9 @@ def load_optimizer(opt, states):
     saved with another world size, resharded exactly (the pieces this rank now keeps of the whole)."""
     if len(states) == 1 and (states[0].get("world_size"), states[0].get("rank")) == (opt.world_size, opt.rank):
         return opt.load_state_dict(states[0])
-    params = opt._params()
-    mine = {i: {k: opt._piece(params[i], v) if torch.is_tensor(v) else v for k, v in state.items()}
-            for i, state in full_optimizer_state(opt, states).items() if opt._owns(params[i])}
+    params = opt.parameters()
+    mine = {i: {k: opt.piece(params[i], v) if torch.is_tensor(v) else v for k, v in state.items()}
+            for i, state in full_optimizer_state(opt, states).items() if opt.owns(params[i])}
     opt.load_state_dict({"state": mine, "param_groups": states[0]["param_groups"],
                          "world_size": opt.world_size, "rank": opt.rank})
 
@@ -235,39 +235,6 @@ def resharded(path, step, saved_world, world_size, skipped_documents, log=print)
         f"exactly; the data continues after the furthest row group any rank had begun, skipping "
         f"{skipped_documents:,} documents no rank had reached")
     return {"step": step, "saved_world_size": saved_world, "skipped_documents": skipped_documents}
-
-
-def continue_loader(loader, states):
-    """(epoch, position, documents skipped): where a data.DataLoader starts when a run saved by another
-    number of ranks resumes (states: each of its ranks' loader state, in rank order): at the first row
-    group after the furthest one any of them had begun, so no document is read twice. The documents
-    its ranks had not reached by then are skipped, and counted."""
-    W, sizes = len(states), [len(rows) for rows in loader.rows]
-    names = loader.names
-    if not states or [(s["rank"], s["world_size"]) for s in states] != [(r, W) for r in range(W)] or any(
-            s["file"] not in names or s["row_group"] >= sizes[names.index(s["file"])] for s in states):
-        raise ValueError(f"loader states {states}: expected one per rank of the saved run, in rank order, "
-                         f"at row groups of these files {loader.names}")
-
-    def after(e, f, g):  # the row group after (f, g) in file order, whichever rank reads it
-        return (e, f, g + 1) if g + 1 < sizes[f] else (e, f + 1, 0) if f + 1 < len(sizes) else (e + 1, 0, 0)
-    beyond = []  # for each old rank: the position after the last row group it had begun
-    for r, s in enumerate(states):
-        mine = [(f, g) for f, n in enumerate(sizes) for g in range(r, n, W)]
-        e, p = s["epoch"], mine.index((loader.names.index(s["file"]), s["row_group"]))
-        beyond.append(after(e, *mine[p]) if s["offset"] else after(e, *mine[p - 1]) if p else
-                      after(e - 1, *mine[-1]) if e else (0, 0, 0))
-    start = max(beyond)
-    ahead = [i for i, group in enumerate(loader.groups) if group >= start[1:]]
-    skipped = 0
-    for r, (e, f, g), s in zip(range(W), beyond, states):
-        if s["offset"]:  # the documents of its row group it had not begun
-            tokens = loader.tokenize(loader.names.index(s["file"]), s["row_group"])
-            skipped += int((tokens[s["offset"]:] == loader.tokenizer.bos_id).sum())
-        while (e, f, g) < start:  # then its row groups nobody read
-            skipped += loader.rows[f][g] if g % W == r else 0
-            e, f, g = after(e, f, g)
-    return (start[0], ahead[0], skipped) if ahead else (start[0] + 1, 0, skipped)
 
 
 def set_aside_newer(out_dir, step, log=print):

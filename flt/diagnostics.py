@@ -1,13 +1,13 @@
-"""Support for train.py: what it watches while it trains, kept out of the training loop's way.
+"""Support for train.py: what it records while it trains, kept out of the training step's way.
+Nothing here decides the step: its gradient norm and clip factor are train.py's; these only record.
 
-    watched = diagnostics.watched_modules(model, watch_layer)  # the modules of Figures 3 and 8
-    norms = diagnostics.gradient_norms(sq_norms, watched)      # the rank-averaged gradient, before clipping
-    own = diagnostics.own_gradient_norms(model, watched)       # rank 0's own gradient, the authors' view
-    host = diagnostics.read(norms=norms, own=own, ...)         # the step's one host sync
-    record |= diagnostics.norm_record(host["norms"], watched)  # grad_norm, grad_<module>
-    record |= diagnostics.norm_record(host["own"], watched, 1.0)  # grad_<module>_clipped
-    monitor = diagnostics.divergence(monitor, loss, nats)      # the smoothed loss against its minimum
-    log = diagnostics.Log(out_dir, settings)                   # settings.json, then log.jsonl line by line
+    watch = diagnostics.Watch(model, watch_layer, clipped=True)  # the modules of Figures 3 and 8
+    numbers = runtime.to_host(grad_norm=..., **watch.tensors(sq_norms, looped))  # the one host read
+    record |= watch.record(numbers, grad_clip)     # grad_<module> (and grad_<module>_clipped)
+    record |= diagnostics.speed(tokens, dt, flops_per_token, peak, world_size)  # tok_per_s, dt, mfu
+    print0(diagnostics.step_line(record, num_steps))  # train.py's line, every log_interval steps
+    monitor = diagnostics.divergence(monitor, loss, nats)  # the smoothed loss against its minimum
+    log = diagnostics.Log(out_dir, settings)  # settings.json, then log.jsonl line by line
     timer = diagnostics.StepTimer()  # lap(): a step's seconds, less pause() .. resume()
 """
 import collections
@@ -33,44 +33,75 @@ def watched_modules(model, watch_layer=-1):
             "attn_mid": blocks[mid].attn}
 
 
+def module_norms(sq_norms, watched):
+    """(len(watched),) float64 tensor on the device: the L2 norm of each watched module's gradient,
+    from {parameter: squared norm of its gradient (0-d tensor)}; no host read."""
+    squares = [torch.stack([sq_norms[p] for p in m.parameters()]).double().sum() for m in watched.values()]
+    return torch.stack(squares).sqrt()
+
+
 def gradient_norms(sq_norms, watched):
-    """(1 + len(watched),) tensor on the device: the L2 norm of the whole gradient, then of each watched
-    module's, from {parameter: squared norm of its gradient (0-d tensor)}; no host read."""
-    parts = [list(sq_norms.values())] + [[sq_norms[p] for p in m.parameters()] for m in watched.values()]
-    return torch.stack([torch.stack(sq).double().sum() for sq in parts]).sqrt()  # float64, as a host sum was
+    """(1 + len(watched),) tensor on the device: the L2 norm of the whole gradient, then module_norms."""
+    total = torch.stack(list(sq_norms.values())).double().sum().sqrt()  # float64, as a host sum was
+    return torch.cat([total[None], module_norms(sq_norms, watched)])
 
 
 @torch.no_grad()
 def own_gradient_norms(model, watched):
     """gradient_norms of this rank's own gradient (before the ranks are averaged): the authors'
-    diagnostic script (scripts/base_check.py) logs them, clipped by norm_record. An extra pass over every
+    diagnostic script (scripts/base_check.py) logs them, clipped (Watch.record). An extra pass over every
     gradient: train.py's log_clipped_norms asks for it."""
     return gradient_norms({p: squared_norm(p.grad) for p in model.parameters() if p.grad is not None}, watched)
 
 
-def norm_record(norms, watched, max_norm=None):
-    """gradient_norms read to the host, as log entries: {"grad_norm", "grad_<name>"}; with max_norm (the
-    authors' view, after clip_grad_norm_ by the total): {"grad_<name>_clipped"}. The paper's figures say
-    "before clipping": without max_norm. norms None (not asked for): {}."""
-    if norms is None:
-        return {}
-    total, *modules = norms
-    if max_norm is None:
-        return {"grad_norm": total} | {f"grad_{k}": n for k, n in zip(watched, modules)}
-    coef = clip_coefficient(total, max_norm)
-    return {f"grad_{k}_clipped": coef * n for k, n in zip(watched, modules)}
+class Watch:
+    """What train.py records of each step's gradients (Sec. 3, Figures 3 and 8): the norms of the watched
+    modules' rank-averaged gradient, before clipping, as the figures show them; with clipped=True (rank 0
+    under log_clipped_norms) also the authors' view: this rank's own gradient, clipped by its own norm
+    (clip_grad_norm_'s rule); and the residual stream's norm after each loop."""
+
+    def __init__(self, model, watch_layer=-1, clipped=False):
+        self.model = model
+        self.modules = watched_modules(model, watch_layer)
+        self.clipped = clipped
+
+    def tensors(self, sq_norms, looped):
+        """{name: device tensor} for the step's one read, no host read here: "module_norms" (from
+        reduce_gradients' squared norms), "resid_norms" (the model's Loops), "own_norms" if clipped."""
+        tensors = {"module_norms": module_norms(sq_norms, self.modules), "resid_norms": looped.resid_norms}
+        if self.clipped:
+            tensors["own_norms"] = own_gradient_norms(self.model, self.modules)
+        return tensors
+
+    def record(self, numbers, max_norm):
+        """The log entries of the read `numbers`: {"grad_<name>"}, and if clipped {"grad_<name>_clipped"}
+        (clip_grad_norm_ by the total to max_norm, then each module's norm)."""
+        record = {f"grad_{k}": n for k, n in zip(self.modules, numbers["module_norms"])}
+        if self.clipped:
+            total, *modules = numbers["own_norms"]
+            coef = clip_coefficient(total, max_norm)
+            record |= {f"grad_{k}_clipped": coef * n for k, n in zip(self.modules, modules)}
+        return record
 
 
-def read(**tensors):
-    """{name: a float (0-d tensor) or a list (1-D)} of the tensors given (None: left out), in one
-    device-to-host copy: the training loop's one host sync per step."""
-    tensors = {k: t for k, t in tensors.items() if t is not None}
-    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors.values()]).tolist()  # float64: exact
-    out, start = {}, 0
-    for name, t in tensors.items():
-        out[name] = flat[start] if t.dim() == 0 else flat[start:start + t.numel()]
-        start += t.numel()
-    return out
+def speed(tokens, dt, flops_per_token, peak, world_size, memory=False):
+    """{"tok_per_s", "dt", "mfu"} of a training step of `tokens` tokens in dt seconds; mfu: the model's
+    FLOP/s over the peak of world_size accelerators (None where the peak is unknown: a CPU); memory=True
+    adds "mem_gib", the peak CUDA memory allocated so far (GiB), to set beside planning's estimate."""
+    tok_per_s = tokens / dt
+    mfu = flops_per_token * tok_per_s / (peak * world_size) if peak else None
+    record = {"tok_per_s": tok_per_s, "dt": dt, "mfu": mfu}
+    if memory:
+        record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return record
+
+
+def step_line(r, num_steps):
+    """train.py's line for a training step's record r, each number rounded to what it means."""
+    mfu = f" | mfu {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+    return (f"step {r['step']:5d}/{num_steps} | loss {r['loss']:.3f} | K {r['loops']} | "
+            f"lrm {r['lrm']:.2f} | grad {r['grad_norm']:.2f} | resid {r['resid_norms'][-1]:.1f} | "
+            f"{r['tok_per_s']:,.0f} tok/s{mfu}")
 
 
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
@@ -120,8 +151,9 @@ def diverged(step, monitor, nats, window):
 
 class StepTimer:
     """The seconds of a training step, without its evaluations and checkpoints: lap() is called
-    right after the step's one host read (on a GPU the one wait, so no torch.cuda.synchronize), and
-    returns the time since the last lap() less the time spent between pause() and resume()."""
+    once a step, after its optimizer step, and returns the time since the last lap() less the time
+    spent between pause() and resume(). It never syncs (runtime.Timer does): on a GPU the step's one
+    host read is its one wait, so each lap holds one step's work once the queue is steady."""
 
     def __init__(self):
         self.last = time.time()

@@ -3,9 +3,10 @@ signal and its requeue exit, time-based checkpoints, the last good checkpoint, a
 non-finite step, divergence; and, when the requeued job starts again, where it resumes.
 
     guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, ...)
-    summed |= guard.flags()                 # this rank's signal and clock, for the all-reduce
-    guard.check(step, host, loss, grad_norm)  # what the ranks agreed; a non-finite value stops them
-    if ... or guard.save_due: guard.save(step)  # a full disk stops every rank, one message
+    to_sum |= guard.flags()                 # this rank's signal and clock, for the all-reduce
+    guard.stop_if_not_finite(step, loss, grad_norm, resid)  # before the update, on every rank
+    guard.take_flags(numbers)               # what the ranks agreed: a preemption, a save due
+    if ... or guard.save_due: guard.save(step)  # printed; a full disk stops every rank, one message
     guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues
     guard.watch_divergence(step, loss)      # the smoothed loss far above its minimum: exit 3
 
@@ -52,28 +53,33 @@ class Guard:
         device = self.rt.device
         return {name: torch.full((), float(flag), device=device) for name, flag in mine.items()}
 
-    def check(self, step, host, loss, grad_norm):
-        """After the step's one host read (host: the summed flags and "resid", the largest residual
-        norm): take what the ranks agreed, and stop every rank before the optimizer step if the
-        loss, the gradient norm or the residual norm is not finite (an overflowed stream can give a
-        finite, useless loss, so the residual norm is checked too)."""
-        self.preempted = host["preempted"] > 0
-        self.clock_due = host["save_due"] > 0
-        if not all(map(math.isfinite, (loss, grad_norm, host["resid"]))):
+    def take_flags(self, numbers):
+        """What the ranks agreed, from the step's one host read (`numbers`: the flags summed over
+        the ranks): a preemption, a save the clock asks for; acted on at the next step's start."""
+        self.preempted = numbers["preempted"] > 0
+        self.clock_due = numbers["save_due"] > 0
+
+    def stop_if_not_finite(self, step, loss, grad_norm, resid):
+        """Stop every rank before the optimizer step if the loss, the gradient norm or the largest
+        residual norm (resid) is not finite: the parameters stay those of a good step. Every rank
+        decides alike: the numbers are the all-reduced ones. An overflowed stream can give a
+        finite, useless loss, so the residual norm is checked too."""
+        if not all(map(math.isfinite, (loss, grad_norm, resid))):
             self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
             self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "
-                      f"{host['resid']}: not finite; stopped before the optimizer step, so the "
+                      f"{resid}: not finite; stopped before the optimizer step, so the "
                       "parameters were not updated", 1)
 
     def save(self, step):
-        """train.py's checkpoint of this step, which becomes the last good one; the save clock
-        starts again. Too little disk (or a disk that filled while written): every rank stops with
-        one message, the earlier checkpoints untouched."""
+        """train.py's checkpoint of this step, which becomes the last good one (printed); the save
+        clock starts again. Too little disk (or a disk that filled while written): every rank stops
+        with one message, the earlier checkpoints untouched."""
         self.clock.reset()
         try:
             self.last_good = self.write(step)
         except runtime.DiskSpaceError as e:
             self.fail(f"step {step}: {e}; the earlier checkpoints are untouched", 1)
+        print0(f"step {step:5d} | saved {self.last_good}")
 
     def leave_if_preempted(self, step, last_step):
         """After a preemption's checkpoint: exit PREEMPTED, for the job script to requeue the same
@@ -120,3 +126,16 @@ def resume_point(rt, out_dir, resume, settings, num_steps):
     if rt.master:
         checkpoint.set_aside_newer(out_dir, step, log=print0)
     return path, meta
+
+
+def restore_ranks(rt, ckpt_path, meta, optimizers):
+    """This rank's state from the checkpoint at ckpt_path (resume_point's): the optimizers (in the
+    order given) take their own state, or, if another number of ranks saved it, every saved rank's,
+    resharded exactly; the RNGs are restored. Returns (the loader's state, the divergence monitor,
+    the number of ranks that saved); a fresh run (ckpt_path None): (None, a new monitor, None)."""
+    if not ckpt_path:
+        return None, diagnostics.NEW_MONITOR, None
+    states = checkpoint.load_rank_states(ckpt_path, meta, rt.rank, rt.world, rt.device)
+    loader_state, monitor = checkpoint.restore_rank_state(states, optimizers, rt.rank,
+                                                          rt.device_type == "cuda")
+    return loader_state, monitor, len(states)

@@ -1,12 +1,14 @@
 """Support for data.py's DataLoader: the checks of its arguments, each a ValueError that names
-the bad value and says what is allowed, and its resume from a saved position. The loader itself
-(the packing, the position it saves) reads in data.py.
+the bad value and says what is allowed, and its whole resume from a saved position, on the same
+number of ranks or another. The loader itself (the packing, the position it saves) reads in
+data.py; this module reads only its public layout (files, names, rows, groups, rank, world_size)
+and its tokenize().
 
     check_arguments(files, names, batch_size, seq_len, rank, world_size)  # before any file is read
     check_groups(loader, row_groups)     # a cycling rank must get at least one row group
     restore(loader, state, row_groups)   # the loader at a saved position, checked
+    continue_loader(loader, states)      # where another number of ranks' run continues
 """
-from flt import checkpoint
 
 
 def check_arguments(files, names, batch_size, seq_len, rank, world_size):
@@ -32,10 +34,10 @@ def check_groups(loader, row_groups):
 def restore(loader, state, row_groups):
     """Move a new loader to `state`: its own state_dict() (or [it]), or every rank's state of a
     run with another world size, continued after the furthest row group any rank had begun
-    (checkpoint.continue_loader, which counts the documents skipped)."""
+    (continue_loader, which counts the documents skipped)."""
     if isinstance(state, list):
         if len(state) != 1 or state[0]["world_size"] != loader.world_size:
-            continued = checkpoint.continue_loader(loader, state)
+            continued = continue_loader(loader, state)
             loader.epoch, loader.pos, loader.skipped_documents = continued
             return
         state = state[0]
@@ -45,8 +47,8 @@ def restore(loader, state, row_groups):
     loader.offset = state["offset"]
     loader.epoch_tokens = state["epoch_tokens"]
     loader.epoch_batches = state["epoch_batches"]
-    # the row group it names, tokenized (and the next ones queued), as the loader would have it
-    loader.tokens = loader._load()
+    # the row group it names, tokenized, as the loader would have it
+    loader.tokens = loader.tokenize(*loader.groups[loader.pos])
     if not 0 <= loader.offset < len(loader.tokens):
         raise ValueError(f"loader state {state}: offset outside the row group "
                          f"({len(loader.tokens)} tokens)")
@@ -67,3 +69,36 @@ def check_state(loader, state, row_groups):
     if (state["rank"], state["world_size"]) != (rank, world_size) or where not in loader.groups:
         raise ValueError(f"loader state {state} is not a position of rank {rank} of "
                          f"{world_size} in these {len(loader.files)} files")
+
+
+def continue_loader(loader, states):
+    """(epoch, position, documents skipped): where a data.DataLoader starts when a run saved by another
+    number of ranks resumes (states: each of its ranks' loader state, in rank order): at the first row
+    group after the furthest one any of them had begun, so no document is read twice. The documents
+    its ranks had not reached by then are skipped, and counted."""
+    W, sizes = len(states), [len(rows) for rows in loader.rows]
+    names = loader.names
+    if not states or [(s["rank"], s["world_size"]) for s in states] != [(r, W) for r in range(W)] or any(
+            s["file"] not in names or s["row_group"] >= sizes[names.index(s["file"])] for s in states):
+        raise ValueError(f"loader states {states}: expected one per rank of the saved run, in rank order, "
+                         f"at row groups of these files {loader.names}")
+
+    def after(e, f, g):  # the row group after (f, g) in file order, whichever rank reads it
+        return (e, f, g + 1) if g + 1 < sizes[f] else (e, f + 1, 0) if f + 1 < len(sizes) else (e + 1, 0, 0)
+    beyond = []  # for each old rank: the position after the last row group it had begun
+    for r, s in enumerate(states):
+        mine = [(f, g) for f, n in enumerate(sizes) for g in range(r, n, W)]
+        e, p = s["epoch"], mine.index((loader.names.index(s["file"]), s["row_group"]))
+        beyond.append(after(e, *mine[p]) if s["offset"] else after(e, *mine[p - 1]) if p else
+                      after(e - 1, *mine[-1]) if e else (0, 0, 0))
+    start = max(beyond)
+    ahead = [i for i, group in enumerate(loader.groups) if group >= start[1:]]
+    skipped = 0
+    for r, (e, f, g), s in zip(range(W), beyond, states):
+        if s["offset"]:  # the documents of its row group it had not begun
+            tokens = loader.tokenize(loader.names.index(s["file"]), s["row_group"])
+            skipped += int((tokens[s["offset"]:] == loader.tokenizer.bos_id).sum())
+        while (e, f, g) < start:  # then its row groups nobody read
+            skipped += loader.rows[f][g] if g % W == r else 0
+            e, f, g = after(e, f, g)
+    return (start[0], ahead[0], skipped) if ahead else (start[0] + 1, 0, skipped)

@@ -106,7 +106,8 @@ def consumed_tokens_per_s(model, gpu="H100", mfu=0.40):
 RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
              "final_eval_tokens", "save_interval", "save_interval_minutes", "keep_checkpoints", "keep_every",
              "sample_tokens", "device", "compile", "dtype", "data_dir", "divergence_window", "divergence_nats",
-             "dist_timeout", "dry_run", "gpu", "wandb_project", "loader_prefetch", "log_clipped_norms"}
+             "dist_timeout", "dry_run", "gpu", "wandb_project", "loader_prefetch", "log_clipped_norms",
+             "log_interval"}
 
 
 def check_settings(s, defaults):
@@ -118,7 +119,7 @@ def check_settings(s, defaults):
         raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
                 "final_eval_tokens", "sequence_len", "depth", "bpe_vocab_size", "dist_timeout", "kv_rank",
-                "core_max_per_task", "loader_prefetch", "loops", "aspect_ratio"):
+                "core_max_per_task", "loader_prefetch", "loops", "aspect_ratio", "log_interval"):
         if s[key] < 1:
             bad(key, "a positive integer")
     for key in ("keep_every", "core_interval", "divergence_window"):
@@ -191,7 +192,7 @@ def resume_changes(saved, s, path):
     return changed
 
 
-def run_dir(s):
+def out_dir_of(s):
     """out_dir, or out_root/<size>_<variant>_k<loops>[_<attention>][_<sampler>], e.g. out/base_flt_k9: one
     directory per run, named by what makes it different, so a grid of runs never collides."""
     if s["out_dir"]:
@@ -227,7 +228,7 @@ def planned_vocab(s):
     """The vocabulary's size from the settings alone, for --dry_run: nothing is downloaded or trained."""
     tokenizer = s["tokenizer"]
     if s["dataset"] in tasks.TASKS:
-        return tasks.tokenizer(tasks.get(s)).vocab_size
+        return tasks.tokenizer(tasks.task_of(s)).vocab_size
     if tokenizer == "bpe" or os.path.isfile(tokenizer):
         return s["bpe_vocab_size"] if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
     if "qwen3" in tokenizer.lower():
@@ -280,4 +281,4 @@ def summary(model, params, s, steps, grad_accum, device, world_size):
     return (f"{config.variant}, {config.loops} loops, {params['all']:,} parameters, "
             f"{params['non_embedding']:,} without the embedding; {steps} steps of {batch:,} tokens = "
             f"{steps * batch:,} tokens (horizon_params={s['horizon_params']!r}); grad accumulation "
-            f"{grad_accum}; {model.estimate_flops():.3e} FLOPs/token; {device} x {world_size}")
+            f"{grad_accum}; {model.estimate_flops():.2e} FLOPs/token; {device} x {world_size}")

@@ -100,6 +100,19 @@ def rank_world():
     return 0, 1
 
 
+def to_host(**tensors):
+    """{name: a float (0-d tensor) or a list (1-D)} of the tensors given (None: left out), in one
+    device-to-host copy: the training loop's one host sync per step (train.py's step reads
+    its numbers and the diagnostics' with it)."""
+    tensors = {k: t for k, t in tensors.items() if t is not None}
+    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors.values()]).tolist()  # float64: exact
+    out, start = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[start] if t.dim() == 0 else flat[start:start + t.numel()]
+        start += t.numel()
+    return out
+
+
 def all_reduce_sum(t):
     """Sum t over the process group's ranks, in place; nothing without one."""
     if rank_world()[1] > 1:
@@ -246,7 +259,9 @@ class Timer:
     """The one timer of the project: wall-clock seconds of a block, `with Timer(device) as took:`,
     then took.seconds. On a CUDA device the queued kernels are drained before the clock starts and
     before it stops: CUDA runs them asynchronously, and without the sync a block's time would be the
-    time of its launches. Other devices (and device=None) need no sync."""
+    time of its launches. Other devices (and device=None) need no sync. The training step's clock
+    (flt/diagnostics.py: StepTimer) is the one other: it must never sync, so it leans on the step's
+    one host read instead."""
 
     def __init__(self, device=None):
         self.device = device

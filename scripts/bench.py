@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flt import corpus, diagnostics
+from flt import corpus, diagnostics, runtime
 import data
 from configurator import configure, settings_of
 from model import GPT, GPTConfig
@@ -343,7 +343,7 @@ def syncs():
         loss.backward()
         flags = {name: torch.full((), 0.0, device=device) for name in ("preempted", "save_due")}
         norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid": looped.resid_norms.max()} | flags)
-        host = diagnostics.read(**summed, norms=diagnostics.gradient_norms(norms, watched),
+        host = runtime.to_host(**summed, norms=diagnostics.gradient_norms(norms, watched),
                                 resid_norms=looped.resid_norms)
         for opt in optimizers:
             opt.step(grad_scale=clip_coefficient(host["norms"][0], 1.0))

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import data
 from configurator import configure, settings_of
-from flt import checkpoint, diagnostics, planning
+from flt import checkpoint, diagnostics, planning, runtime
 from flt import errors
 from flt.errors import user_errors
 from flt.runtime import Timer, atomic_write, precision, resolve_dtype, setup, timed
@@ -102,12 +102,12 @@ def traced_train(argv, report):
         torch.cuda.set_sync_debug_mode("warn")
         warnings.simplefilter("always")
         warnings.showwarning = counted
-    read = diagnostics.read
+    read = runtime.to_host
 
     def step_read(*args, **kwargs):
         reads_at.append((sum(counts.values()), syncs[0]))
         return read(*args, **kwargs)
-    diagnostics.read = step_read
+    runtime.to_host = step_read
     sys.argv = ["train.py", *argv]
     code = 0
     try:

@@ -37,7 +37,7 @@ def train_defaults():
     namespace = {}
     exec(compile(ast.Module(body=body, type_ignores=[]), "train.py", "exec"), namespace)
     settings = {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
-    return settings | {"_WORDS": namespace["_WORDS"]}  # what configure reads: the settings, and the words they take
+    return settings | {"_ALSO_ACCEPTS": namespace["_ALSO_ACCEPTS"]}  # what configure reads: the settings, and the words they take
 
 
 def apply(argv, monkeypatch):
@@ -48,7 +48,7 @@ def apply(argv, monkeypatch):
     defaults = train_defaults()
     s = configure(dict(defaults), argv)
     planning.check_settings(s, defaults)
-    return s | {"out_dir": planning.run_dir(s)}
+    return s | {"out_dir": planning.out_dir_of(s)}
 
 
 def vocab(s):

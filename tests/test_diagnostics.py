@@ -1,13 +1,14 @@
 """diagnostics.py: which modules train.py's logged gradient norms come from and what they measure
-(recomputed here from a model's gradients, selected by parameter name), the divergence monitor
-by hand, a step's time, and the log files."""
+(recomputed here from a model's gradients, selected by parameter name), the step's speed and its
+printed line, the divergence monitor by hand, a step's time, and the log files."""
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flt import diagnostics
+from flt import diagnostics, runtime
 from test_model import make_model, random_tokens
 
 
@@ -29,9 +30,14 @@ def test_watched_norms_are_those_of_the_modules_the_figures_follow(n_layer, watc
     """grad_mlp_first: the first block's MLP; grad_lm_head; grad_mlp_mid and grad_attn_mid: block
     watch_layer's MLP and attention, -1 = the paper's "5th layer" (index 4) or the last of fewer."""
     model = model_with_gradients(n_layer)
-    watched = diagnostics.watched_modules(model, watch_layer)
+    watch = diagnostics.Watch(model, watch_layer)
     sq = {p: p.grad.double().square().sum() for p in model.parameters()}
-    got = diagnostics.norm_record(diagnostics.gradient_norms(sq, watched).tolist(), watched)
+    looped = SimpleNamespace(resid_norms=torch.tensor([1.0, 2.0]))
+    with diagnostics.count_host_reads() as reads:
+        tensors = watch.tensors(sq, looped)  # device tensors only: the step reads them in its one read
+    assert sum(reads.values()) == 0 and tensors.keys() == {"module_norms", "resid_norms"}
+    got = {"grad_norm": diagnostics.gradient_norms(sq, watch.modules)[0].item()}
+    got |= watch.record(runtime.to_host(**tensors), 1.0)  # not clipped=True: no clipped entries
     want = {"grad_norm": norm_of(model, ""), "grad_mlp_first": norm_of(model, "transformer.h.0.mlp."), "grad_lm_head": norm_of(model, "lm_head."),
             "grad_mlp_mid": norm_of(model, f"transformer.h.{mid}.mlp."),
             "grad_attn_mid": norm_of(model, f"transformer.h.{mid}.attn.")}
@@ -45,10 +51,12 @@ def test_watched_norms_are_those_of_the_modules_the_figures_follow(n_layer, watc
 def test_clipped_norms_are_the_module_norms_after_torchs_clipping():
     """The authors' view (scripts/base_check.py): clip_grad_norm_ by the total norm, then each module's norm."""
     model = model_with_gradients(6)
-    watched = diagnostics.watched_modules(model)
+    watch = diagnostics.Watch(model, clipped=True)
+    sq = {p: p.grad.double().square().sum() for p in model.parameters()}
+    numbers = runtime.to_host(**watch.tensors(sq, SimpleNamespace(resid_norms=torch.ones(2))))
     total = norm_of(model, "")
     for max_norm in (total / 3, 10 * total):  # clipping, and none
-        got = diagnostics.norm_record(diagnostics.own_gradient_norms(model, watched).tolist(), watched, max_norm)
+        got = {k: v for k, v in watch.record(numbers, max_norm).items() if k.endswith("_clipped")}
         clipped = make_model("FLT", n_layer=6)
         for (_, p), (_, q) in zip(model.named_parameters(), clipped.named_parameters()):
             q.grad = p.grad.clone()
@@ -100,3 +108,19 @@ def test_log_writes_settings_then_one_line_per_record(tmp_path):
     quiet.write({"step": 0})
     quiet.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "settings.json"]
+
+
+def test_speed_is_the_steps_tokens_per_second_and_its_share_of_the_peak():
+    """tok/s = tokens / dt; MFU = FLOPs per token x tok/s over the peak of every accelerator; no peak
+    (a CPU): no MFU. The memory entry only where asked (train.py: the first CUDA steps)."""
+    got = diagnostics.speed(2048, 0.5, 3e6, 1e12, world_size=2)
+    assert got == {"tok_per_s": 4096.0, "dt": 0.5, "mfu": 3e6 * 4096 / 2e12}
+    assert diagnostics.speed(2048, 0.5, 3e6, None, world_size=1)["mfu"] is None
+
+
+def test_a_step_line_rounds_each_number_to_what_it_means():
+    record = {"step": 7, "loss": 5.43219, "loops": 3, "lrm": 0.8333, "grad_norm": 1.2871,
+              "resid_norms": [8.04, 13.96], "tok_per_s": 1758.4, "mfu": None}
+    assert diagnostics.step_line(record, 250) == \
+        "step     7/250 | loss 5.432 | K 3 | lrm 0.83 | grad 1.29 | resid 14.0 | 1,758 tok/s"
+    assert diagnostics.step_line(record | {"mfu": 0.3814}, 250).endswith("1,758 tok/s | mfu 38.1%")

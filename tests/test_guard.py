@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from flt import checkpoint, cluster, diagnostics, runtime
-from flt.guard import Guard, resume_point
+from flt.guard import Guard, restore_ranks, resume_point
 
 
 class Log:
@@ -35,8 +35,9 @@ def stops(capsys, call):
     return e.value.code, capsys.readouterr().err.strip()
 
 
-def host(preempted=0.0, save_due=0.0, resid=1.0):
-    return {"preempted": preempted, "save_due": save_due, "resid": resid}
+def flags(preempted=0.0, save_due=0.0):
+    """The step's read numbers the guard takes: its flags, summed over the ranks."""
+    return {"preempted": preempted, "save_due": save_due, "loss": 3.0, "grad_norm": 1.0, "resid": 1.0}
 
 
 def test_the_flags_are_this_ranks_signal_and_clock(make_guard):
@@ -51,12 +52,14 @@ def test_the_flags_are_this_ranks_signal_and_clock(make_guard):
 
 def test_what_the_ranks_agreed_decides_the_save(make_guard):
     guard = make_guard()
-    guard.check(5, host(save_due=2.0), 3.0, 1.0)  # two ranks' clocks were due: a save, no exit
+    guard.take_flags(flags(save_due=2.0))  # two ranks' clocks were due: a save, no exit
     assert guard.save_due and not guard.preempted
-    guard.check(6, host(preempted=1.0), 3.0, 1.0)  # another rank was signalled
+    guard.take_flags(flags(preempted=1.0))  # another rank was signalled
     assert guard.save_due and guard.preempted
-    guard.check(7, host(), 3.0, 1.0)
+    guard.take_flags(flags())
     assert not guard.save_due
+    guard.stop_if_not_finite(8, 3.0, 1.0, 1.0)  # finite: nothing happens, nothing is logged
+    assert guard.log.records == []
 
 
 @pytest.mark.parametrize("loss, grad_norm, resid", [(math.nan, 1.0, 1.0), (3.0, math.inf, 1.0),
@@ -64,7 +67,7 @@ def test_what_the_ranks_agreed_decides_the_save(make_guard):
 def test_a_non_finite_step_stops_every_rank_before_the_update(make_guard, capsys, loss, grad_norm,
                                                               resid):
     guard = make_guard(last_good="out/step_000004")
-    code, err = stops(capsys, lambda: guard.check(7, host(resid=resid), loss, grad_norm))
+    code, err = stops(capsys, lambda: guard.stop_if_not_finite(7, loss, grad_norm, resid))
     assert code == 1
     assert err == (f"step 7: loss {loss}, gradient norm {grad_norm}, residual norm {resid}: not "
                    "finite; stopped before the optimizer step, so the parameters were not updated. "
@@ -72,12 +75,13 @@ def test_a_non_finite_step_stops_every_rank_before_the_update(make_guard, capsys
     assert guard.log.records[-1]["diverged"] is True and guard.log.records[-1]["step"] == 7
 
 
-def test_a_save_becomes_the_last_good_checkpoint_and_restarts_the_clock(make_guard):
+def test_a_save_becomes_the_last_good_checkpoint_and_restarts_the_clock(make_guard, capsys):
     guard = make_guard(save=lambda step: f"out/step_{step:06d}", save_interval_minutes=1e-9)
     assert guard.clock.due()
     guard.clock.seconds = 60.0
     guard.save(8)
     assert guard.last_good == "out/step_000008" and not guard.clock.due()
+    assert capsys.readouterr().out == "step     8 | saved out/step_000008\n"  # every save is printed
 
 
 def test_a_full_disk_stops_every_rank_naming_the_last_good_checkpoint(make_guard, capsys):
@@ -93,7 +97,7 @@ def test_a_full_disk_stops_every_rank_naming_the_last_good_checkpoint(make_guard
 def test_a_preempted_run_leaves_with_75_after_its_checkpoint(make_guard, capsys):
     guard = make_guard(last_good="out/step_000009")
     guard.leave_if_preempted(9, last_step=False)  # not preempted: nothing happens
-    guard.check(9, host(preempted=1.0), 3.0, 1.0)  # a signal on another rank
+    guard.take_flags(flags(preempted=1.0))  # a signal on another rank
     guard.leave_if_preempted(10, last_step=True)  # the last step's checkpoint is the run
     code, out = stops(capsys, lambda: guard.leave_if_preempted(10, last_step=False))
     assert code == cluster.PREEMPTED == 75
@@ -130,3 +134,5 @@ def test_resume_point_is_none_for_a_fresh_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):  # --resume: one is needed
         resume_point(rt, str(tmp_path), True, {}, 10)
     assert checkpoint.list_checkpoints(str(tmp_path)) == []
+    # nothing to restore: no loader state, a new divergence monitor, no saving ranks to reshard from
+    assert restore_ranks(rt, None, None, []) == (None, diagnostics.NEW_MONITOR, None)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from flt import diagnostics
+from flt import diagnostics, runtime
 from test_train import python
 from model import GPT, GPTConfig
 from optim import build_optimizers, reduce_gradients
@@ -76,7 +76,7 @@ def test_reduce_gradients_sums_the_callers_numbers_in_its_one_all_reduce():
 
 def test_read_is_one_copy_and_keeps_names_and_shapes():
     with diagnostics.count_host_reads() as reads:
-        host = diagnostics.read(a=torch.tensor(1.5), b=torch.arange(3.0), skipped=None, c=torch.tensor([4.0]))
+        host = runtime.to_host(a=torch.tensor(1.5), b=torch.arange(3.0), skipped=None, c=torch.tensor([4.0]))
     assert host == {"a": 1.5, "b": [0.0, 1.0, 2.0], "c": [4.0]} and dict(reads) == {"tolist": 1}
 
 

@@ -154,7 +154,7 @@ def before_data(**changes):
     checks, the run directory, the device, the precision, the batch split, the model's shape."""
     s = DEFAULTS | changes
     planning.check_settings(s, DEFAULTS)
-    out_dir = planning.run_dir(s)
+    out_dir = planning.out_dir_of(s)
     runtime.setup(s["device"])
     resolve_dtype(s["dtype"], "cpu")
     grad_accum(s, 1)
@@ -234,9 +234,9 @@ def test_a_setting_that_would_do_nothing_is_refused(changes, match):
     (dict(attn="mla", loops_sampler="lognormal_poisson"), "out/d3_flt_k3_mla_lognormal_poisson"),
     (dict(out_root="runs/x"), "runs/x/d3_flt_k3"),
 ])
-def test_run_dir_is_named_by_what_makes_the_run_different(changes, path):
-    assert planning.run_dir(DEFAULTS | changes) == path
-    assert planning.run_dir(DEFAULTS | changes | {"out_dir": "mine"}) == "mine"
+def test_out_dir_is_named_by_what_makes_the_run_different(changes, path):
+    assert planning.out_dir_of(DEFAULTS | changes) == path
+    assert planning.out_dir_of(DEFAULTS | changes | {"out_dir": "mine"}) == "mine"
 
 
 def dry_run(*args):

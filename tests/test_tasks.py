@@ -222,7 +222,7 @@ def test_train_and_eval_a_task_end_to_end(tmp_path):
 def test_dry_run_plans_a_task_without_building_anything(tmp_path):
     s = dict(SETTINGS, dry_run=True)
     assert planning.planned_vocab(s) == 1 + 10 + 2 * 6 * 5
-    assert planning.run_dir(dict(out_dir="", out_root="out", depth=2, variant="LT_i", loops=4,
+    assert planning.out_dir_of(dict(out_dir="", out_root="out", depth=2, variant="LT_i", loops=4,
                                  n_kv_head=-1, attn="full", window_pattern="L",
                                  loops_sampler="fixed", dataset="s3")) == "out/d2_lt_i_k4_s3"
     assert np.isfinite(task_of("s5", 3, 8).table).all()

@@ -94,11 +94,11 @@ def test_configurator_applies_files_and_flags(tmp_path):
 ])
 def test_configurator_errors_name_the_key(argv, match):
     with pytest.raises(ValueError, match=match):
-        configure(dict(depth=4, flag=False, resume=False, _WORDS={"resume": ("auto",)}), argv)
+        configure(dict(depth=4, flag=False, resume=False, _ALSO_ACCEPTS={"resume": ("auto",)}), argv)
 
 
 def test_a_bool_setting_may_take_its_words(tmp_path):
-    ns = dict(resume=False, flag=False, _WORDS={"resume": ("auto",)})
+    ns = dict(resume=False, flag=False, _ALSO_ACCEPTS={"resume": ("auto",)})
     assert configure(dict(ns), ["--resume=auto"]) == dict(resume="auto", flag=False)
     assert configure(dict(ns), ["--resume"]) == dict(resume=True, flag=False)
     cfg = tmp_path / "c.py"
