@@ -6,23 +6,21 @@ classifier rather than maps between hidden states, so orthogonalising their upda
 
 The contract (no DDP: the optimizers own the gradient reduction), alike in one process or torchrun:
   1. backward on each micro-batch: p.grad is this rank's own, un-averaged gradient.
-  2. sq_norms, sums = reduce_gradients(optimizers, to_sum) averages every gradient over the ranks
-     and returns {parameter: squared L2 norm of its averaged gradient} and the caller's `to_sum`
-     summed over the ranks (0-d device tensors, equal on every rank, read by the caller in one
-     go), so clipping and the per-module diagnostics see the averaged gradient, as under DDP.
+  2. sq_norms, sums = reduce_gradients(optimizers, to_sum) averages every gradient over the ranks:
+     {parameter: squared L2 norm of its average} and the caller's `to_sum` summed over the ranks
+     (0-d device tensors, read in one go): clipping sees the averaged gradient, as under DDP.
   3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged gradient (c = the
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
      gradients (scaled in place): zero them next. step() alone first reduces by itself.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
-rank updates, an all-gather of the updated pieces: 2P elements of buffers (DDP: 3P, an all-reduce,
-then sharing the updates), plus an all_reduce of one number per parameter tensor (and `to_sum`).
-One process skips every collective. gloo runs reduce_scatter_single / all_gather_single (torch
-2.13's reduce_scatter_tensor / all_gather_into_tensor) as NCCL does: tests run NCCL's path.
+rank updates and an all-gather of the updated pieces, 2P (DDP: 3P), plus one all_reduce of a
+number per parameter tensor (and `to_sum`).
+One process skips every collective unless built distributed (scripts/zero_check.py: a group of
+one); the flat collectives (gloo runs them as NCCL does) are torch 2.13's or older (`collectives`).
 
-The state is per rank (its own slices or matrices): save one state_dict() per rank. It holds only
-tensors, numbers and strings (torch.load(weights_only=True) reads it), and world_size and rank:
-load_state_dict refuses another rank's. owns(p) and piece(p, whole) say which piece of a
-parameter's state a rank keeps: flt/checkpoint.py reshards a run saved with another world size.
+The state is per rank (its slices or matrices; tensors, numbers, strings, world_size and rank):
+one state_dict() per rank, another rank's refused. owns(p) and piece(p, whole) say which piece of
+p's state a rank keeps: flt/checkpoint.py reshards a run saved with another world size.
 """
 
 import math
@@ -32,16 +30,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def collectives():
+    """(reduce-scatter, all-gather): torch 2.13's names, else 2.x's older ones (NCCL, gloo)."""
+    if hasattr(dist, "reduce_scatter_single") and hasattr(dist, "all_gather_single"):
+        return dist.reduce_scatter_single, dist.all_gather_single
+    return dist.reduce_scatter_tensor, dist.all_gather_into_tensor
+
+
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
     """Approximately replace G = U S V^T by U V^T (the nearest semi-orthogonal matrix).
 
     A quintic Newton-Schulz iteration X <- aX + b(XX^T)X + c(XX^T)^2 X maps each
     singular value s of X to p(s) = as + bs^3 + cs^5 and leaves U, V untouched. The
-    coefficients (3.4445, -4.7750, 2.0315) make p very steep near 0, so five steps
-    push every singular value in (0, 1] into roughly [0.7, 1.2] rather than exactly
-    1, which is good enough for an update direction and much cheaper than an SVD.
-    `dtype`: the working precision; None = bf16 on CUDA (robust enough, and fast on
-    tensor cores), float32 elsewhere (CPU bf16 matmuls are slow; tests want accuracy).
+    coefficients (3.4445, -4.7750, 2.0315) make p very steep near 0, so five steps push
+    every singular value in (0, 1] into roughly [0.7, 1.2]: good enough for an update
+    direction, and much cheaper than an SVD. `dtype`: None = bf16 on CUDA (fast on tensor
+    cores), float32 elsewhere (CPU bf16 matmuls are slow; tests want accuracy).
     """
     a, b, c = (3.4445, -4.7750, 2.0315)
     X = G.to(dtype or (torch.bfloat16 if G.is_cuda else torch.float32))
@@ -77,15 +81,15 @@ def squared_norm(g):
 
 
 class _Sharded(torch.optim.Optimizer):
-    """The module docstring's cycle, and a state dict tied to (world_size, rank). Subclasses
-    reduce-scatter the gradients into the pieces this rank updates (_reduce_scatter_grads),
-    then update those and all-gather them (_update)."""
+    """The module docstring's cycle; a state dict tied to (world_size, rank). Subclasses say which
+    pieces a rank updates (_reduce_scatter_grads), and update and all-gather them (_update)."""
 
     def __init__(self, params, defaults, distributed):
         super().__init__(params, defaults)
         if distributed and not dist.is_initialized():
             raise ValueError("distributed=True needs torch.distributed to be initialised first "
                              "(dist.init_process_group under torchrun)")
+        self.distributed = distributed
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self._reduced = None  # {param: this rank's piece of its averaged gradient}, until step()
@@ -99,21 +103,22 @@ class _Sharded(torch.optim.Optimizer):
     # zero-pad. Flat, because gloo takes only the concatenated form (NCCL also stacks).
     def _reduce_scatter(self, tensors, size):
         """The tensors run together in world_size pieces: piece `rank` averaged (soon), flat."""
-        if self.world_size == 1:
+        if not self.distributed:
             return tensors[0].view(-1)  # the whole gradient, no copy
         padding = tensors[0].new_zeros(self.world_size * size - sum(t.numel() for t in tensors))
         full = torch.cat([t.view(-1) for t in tensors] + [padding])
         mine = full.new_empty(size)
-        self._pending.append(dist.reduce_scatter_single(mine, full, op=dist.ReduceOp.AVG,
-                                                        async_op=True))
+        reduce_scatter, _ = collectives()
+        self._pending.append(reduce_scatter(mine, full, op=dist.ReduceOp.AVG, async_op=True))
         return mine
 
     def _all_gather(self, mine, params, size):
         """Every rank's `mine`, run together in rank order, into the params at the end of step()."""
-        if self.world_size > 1:
+        if self.distributed:
             full = mine.new_empty(self.world_size * size)
             mine = F.pad(mine.view(-1), (0, size - mine.numel()))
-            self._pending.append((dist.all_gather_single(full, mine, async_op=True), full, params))
+            _, all_gather = collectives()
+            self._pending.append((all_gather(full, mine, async_op=True), full, params))
 
     @torch.no_grad()
     def reduce_grads(self):
@@ -227,11 +232,10 @@ class Muon(_Sharded):
 class AdamW(_Sharded):
     """AdamW with ZeRO-2 sharding: state and gradient split over the ranks.
 
-    The update is elementwise, so rank r can update just its slice of each parameter:
-    viewed flat and cut into world_size slices of ceil(numel / world_size) elements
-    (zero-padded at the end), rank r receives slice r of the averaged gradient, keeps
-    exp_avg / exp_avg_sq for it only, updates it, and all-gathers the slices. The
-    arithmetic is exactly torch.optim.AdamW's (decoupled weight decay, bias correction).
+    The update is elementwise, so rank r updates just its slice of each parameter: viewed
+    flat and cut into world_size slices of ceil(numel / world_size) elements (zero-padded),
+    rank r gets slice r of the averaged gradient, keeps exp_avg / exp_avg_sq for it, updates it,
+    all-gathers the slices: torch.optim.AdamW's arithmetic (decoupled decay, bias correction).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -288,7 +292,7 @@ def reduce_gradients(optimizers, to_sum=None):
         opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
     shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}
     values = torch.stack([*shares.values(), *(v.float() for v in (to_sum or {}).values())])
-    if any(opt.world_size > 1 for opt in optimizers):
+    if any(opt.distributed for opt in optimizers):
         dist.all_reduce(values)  # each rank holds the squares of its slices and matrices
     values = values.unbind()
     return dict(zip(shares, values)), dict(zip(to_sum or {}, values[len(shares):]))
@@ -300,11 +304,10 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
       transformer.wte.weight  -> AdamW, lr embedding_lr * sqrt(768 / d_model)
       lm_head.weight          -> AdamW, lr unembedding_lr * sqrt(768 / d_model)
       transformer.h.*         -> Muon,  lr matrix_lr (all 2-D, no biases or norm gains)
-    AdamW: betas (0.8, 0.95), eps 1e-10, no weight decay; Muon's Newton-Schulz runs in
-    ns_dtype (None = bf16 on CUDA, float32 elsewhere). Every parameter must land in
-    exactly one group, else ValueError naming it. Each param group gets `initial_lr`,
-    the base of the schedule. distributed=True (torch.distributed initialised) shards
-    both optimizers over the ranks; the model is not wrapped in DDP."""
+    AdamW: betas (0.8, 0.95), eps 1e-10, no weight decay; Muon's Newton-Schulz in ns_dtype (None:
+    bf16 on CUDA, else float32). A parameter in no group or two is a ValueError naming it. Each
+    group's `initial_lr` is the schedule's base. distributed=True (a process group initialised)
+    shards both optimizers over the ranks; the model is not wrapped in DDP."""
     # The AdamW learning rates were tuned at d_model = 768; scale like 1/sqrt(width).
     scale = (768 / model.config.n_embd) ** 0.5
     embedding, head, matrices, seen = [], [], [], {}
@@ -342,8 +345,7 @@ def build_optimizers(model, distributed=False, matrix_lr=0.02, embedding_lr=0.2,
     return optimizers
 
 
-# ---------------------------------------------------------------------------- the schedules
-# train.py applies them every step; they follow the authors' scripts/base_train.py.
+# ------------------------------- the schedules (train.py, every step; the authors' base_train.py)
 def lr_multiplier(step, num_steps, warmdown_frac):
     """No warm-up; 1 until num_steps - round(warmdown_frac * num_steps), then linear to 0 at
     num_steps (their get_lr_multiplier with warmup_ratio 0 and final_lr_frac 0)."""

@@ -28,18 +28,22 @@ import torch
 import torch.distributed as dist
 
 
-# The collectives optim.py's sharded optimizers call, recent torch.distributed names (torch 2.13 has them): an older
-# torch would fail at the first optimizer step of a multi-rank run, after the downloads and compilation.
-TORCH_NEEDED, COLLECTIVES = "2.13", ("reduce_scatter_single", "all_gather_single")
+# The collectives optim.py's sharded optimizers call (optim.py: collectives): torch 2.13's names, or
+# the same operations under the names torch 2.0 to 2.12 give them. A torch with neither would fail at
+# the first optimizer step of a multi-rank run, after the downloads and compilation. The rest of the
+# code needs torch 2.6 (torch.compiler.set_stance); the tests run 2.13, both pairs.
+TORCH_NEEDED = "2.6"
+COLLECTIVES = (("reduce_scatter_single", "all_gather_single"),
+               ("reduce_scatter_tensor", "all_gather_into_tensor"))
 
 
 def check_torch():
-    """ValueError naming the torch to install unless this one has every torch.distributed collective used."""
-    missing = [name for name in COLLECTIVES if not hasattr(dist, name)]
-    if missing:
-        raise ValueError(f"this torch ({torch.__version__}) has no torch.distributed.{' or .'.join(missing)}, which "
-                         f"optim.py calls: install torch>={TORCH_NEEDED} (requirements.txt pins torch=={TORCH_NEEDED}.0; "
-                         "a CUDA node: the install line in docs/recipe.md)")
+    """ValueError naming the torch to install unless this one has one pair of COLLECTIVES."""
+    if not any(all(hasattr(dist, name) for name in pair) for pair in COLLECTIVES):
+        names = " or ".join(f"torch.distributed.{a} and .{b}" for a, b in COLLECTIVES)
+        raise ValueError(f"this torch ({torch.__version__}) has neither {names}, which optim.py calls: "
+                         f"install torch>={TORCH_NEEDED} (requirements.txt pins torch==2.13.0; a CUDA node: "
+                         "the install line in docs/recipe.md)")
 
 
 def setup(device=""):

@@ -84,6 +84,9 @@ MUTANTS = [
     ("optim.py", "frac = min(step / warmup_steps, 1.0)", "frac = min((step + 1) / warmup_steps, 1.0)", OPTIM),
     ("optim.py", "return min(1.0, max_norm / (total_norm + 1e-6))", "return max_norm / (total_norm + 1e-6)", OPTIM),
     ("optim.py", "dist.all_reduce(values)", "dist.all_reduce(values, op=dist.ReduceOp.AVG)", OPTIM),
+    # an older torch's collectives: the fallback is the same operations
+    ("optim.py", "return dist.reduce_scatter_tensor, dist.all_gather_into_tensor",
+     "return dist.all_gather_into_tensor, dist.reduce_scatter_tensor", ["tests/test_collectives.py"]),
     # model.py: the backbone and the loop
     ("model.py", "return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)",
      "return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)", MODEL),

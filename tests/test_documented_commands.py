@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from configurator import configure, settings_of
-from flt import authors, eval_settings, planning, runtime
+from flt import authors, corpus, eval_settings, planning, runtime
 from test_configs import train_defaults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,10 +242,21 @@ def check_gpu_check(args, processes):
         runpy.run_module("scripts.gpu_check", run_name="__main__")
 
 
+def check_torchrun_check(args, processes):
+    """scripts.torchrun_check as python -m runs it, up to its first work (the embedded corpus): its
+    settings and main's checks; a GPU taken as given."""
+    def stop(data_dir):
+        raise Checked
+    with patch.object(sys, "argv", ["scripts.torchrun_check", *args]), \
+            patch.object(corpus, "embedded_corpus", stop), \
+            patch.object(torch.cuda, "is_available", lambda: True), pytest.raises(Checked):
+        runpy.run_module("scripts.torchrun_check", run_name="__main__")
+
+
 CHECKS = {"train.py": check_train, "eval.py": check_eval, "scripts.plot": check_plot,
           "scripts.lm_eval_flt": check_lm_eval, "scripts.export_hf": check_export,
           "scripts.import_authors": check_import, "scripts.bench": check_bench,
-          "scripts.gpu_check": check_gpu_check}
+          "scripts.gpu_check": check_gpu_check, "scripts.torchrun_check": check_torchrun_check}
 
 
 def check(argv):

@@ -162,22 +162,34 @@ def files(root):
 
 # ----------------------------------------------------------------------------- the torch version
 
-@pytest.mark.parametrize("missing", runtime.COLLECTIVES)
-def test_a_torch_without_the_collectives_stops_at_setup_under_torchrun(missing, monkeypatch):
+@pytest.mark.parametrize("missing", [name for pair in runtime.COLLECTIVES for name in pair])
+def test_a_torch_with_either_pair_of_collectives_sets_up_under_torchrun(missing, monkeypatch):
+    # torch 2.13's names or the older ones (a cluster image's torch): either pair serves optim.py
     monkeypatch.delattr(torch.distributed, missing)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    assert runtime.setup("cpu").world == 2
+
+
+def test_a_torch_without_the_collectives_stops_at_setup_under_torchrun(monkeypatch):
+    # one name gone from each pair: neither serves
+    for pair in runtime.COLLECTIVES:
+        monkeypatch.delattr(torch.distributed, pair[0])
     # one process calls no collective: an older torch (a GPU node's own build) runs it
     assert runtime.setup("cpu").world == 1
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
         monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=rf"has no torch\.distributed\.{missing}, which optim\.py calls: install "
-                                         r"torch>=2\.13 \(requirements\.txt pins torch==2\.13\.0"):
+    with pytest.raises(ValueError, match=r"has neither torch\.distributed\.reduce_scatter_single and "
+                                         r"\.all_gather_single or torch\.distributed\.reduce_scatter_tensor "
+                                         r"and \.all_gather_into_tensor, which optim\.py calls: install "
+                                         r"torch>=2\.6 \(requirements\.txt pins torch==2\.13\.0"):
         runtime.setup("cpu")
 
 
 def test_train_py_with_an_old_torch_stops_before_any_download(tmp_path):
     # rank 0 of two, as torchrun starts it: the check comes before any process group
     patch = ("import os, torch.distributed as dist; del dist.reduce_scatter_single; "
-             "os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='2')")
+             "del dist.reduce_scatter_tensor; os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='2')")
     p = train(tmp_path / "run", tmp_path / "data", script=runner(tmp_path, patch), check=False)
-    assert p.returncode == 1 and "install torch>=2.13" in p.stderr.splitlines()[-1], p.stderr[-1500:]
+    assert p.returncode == 1 and "install torch>=2.6" in p.stderr.splitlines()[-1], p.stderr[-1500:]
     assert sorted(os.listdir(tmp_path)) == ["runner.py"]  # no data, no run directory
