@@ -218,6 +218,10 @@ def test_bad_values_fail_before_data_naming_the_setting(changes, match):
     (dict(bundle_dir="b"), "bundle_dir='b' does nothing unless core_interval > 0"),
     (dict(out_dir="x", out_root="runs"), "out_root='runs' does nothing when out_dir is given"),
     (dict(gpu="H100"), "gpu='H100' does nothing unless dry_run=True"),
+    (dict(keep_checkpoints=0, keep_every=100), "keep_every=100 does nothing with keep_checkpoints=0 (every one is "
+                                               "kept)"),
+    (dict(dataset="s3", loader_prefetch=4, sample_tokens=0), "loader_prefetch=4 does nothing with a task dataset "
+                                                             "(its items are made, not read)"),
     (dict(loops_min=2), "loops_min=2 does nothing unless loops_sampler='uniform'"),
     (dict(loops_max=6), "loops_max=6 does nothing with loops_sampler='fixed'"),
     (dict(bptt_loops=3), "bptt_loops=3 does nothing with loops_sampler='fixed' unless below loops"),
