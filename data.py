@@ -20,7 +20,8 @@ import torch
 from flt import corpus, loader_state
 from flt.runtime import atomic_write
 
-# the document token: Qwen3 id 151643; prefixed to every document
+# the document token prefixed to every document, the local BPE's (Qwen3's id 151643); the
+# paper's Qwen3 runs use <|im_start|> (config/paper.py's bos_token)
 BOS = "<|endoftext|>"
 # ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (151644..151668); train.py --dry_run
 QWEN3_VOCAB = 151669

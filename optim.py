@@ -13,8 +13,8 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
      gradients (scaled in place): zero them next. step() alone first reduces by itself.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
-rank updates and an all-gather of the updated pieces, 2P (DDP: 3P), plus one all_reduce of a
-number per parameter tensor (and `to_sum`).
+rank updates and an all-gather of the updated pieces, 2P (as DDP's all-reduce; an all-reduce then
+sharing sharded updates: 3P), plus one all_reduce of a number per parameter tensor (and `to_sum`).
 One process skips every collective unless built distributed (scripts/zero_check.py: a group of
 one); the flat collectives (gloo runs them as NCCL does) are torch 2.13's or older (`collectives`).
 

@@ -311,8 +311,8 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The one all-reduce (optim.py): the gradients averaged over the ranks, and summed with them the
-    # loss, the largest residual norm and the guard's flags (a preemption signal, the save clock)
+    # The reduction (optim.py): the gradients averaged over the ranks; the one all-reduce sums their
+    # norms with the loss, a residual check value and the guard's flags (preemption, save clock)
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()

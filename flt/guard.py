@@ -60,8 +60,9 @@ class Guard:
         self.clock_due = numbers["save_due"] > 0
 
     def stop_if_not_finite(self, step, loss, grad_norm, resid):
-        """Stop every rank before the optimizer step if the loss, the gradient norm or the largest
-        residual norm (resid) is not finite: the parameters stay those of a good step. Every rank
+        """Stop every rank before the optimizer step if the loss, the gradient norm or resid (the
+        ranks' sum of their largest loop norm, a check value) is not finite: the parameters stay
+        those of a good step. Every rank
         decides alike: the numbers are the all-reduced ones. An overflowed stream can give a
         finite, useless loss, so the residual norm is checked too."""
         if not all(map(math.isfinite, (loss, grad_norm, resid))):

@@ -4,8 +4,8 @@ eval.py's tasks mode (docs/beyond.md, "Reasoning that needs depth").
 Two families, each with a difficulty knob, task_difficulty (D):
 - s3, s5: state tracking. An item is [bos] g_1 ... g_D, elements of the permutation group S3 (6)
   or S5 (120); the target at g_i is the running product g_1 g_2 ... g_i. Difficulty: the prefix
-  length i. No fixed depth computes it for every length: S3 is solvable, S5 is not, so a shallow
-  network has no shortcut for S5 (Merrill et al.). A loop can carry it: each loop, every position
+  length i. S3 is a solvable group, so a fixed-depth network may find a shortcut for it; S5 is
+  not, and likely has none (Merrill et al.): its depth must grow with i. A loop can carry it: each loop, every position
   composes its left neighbour's estimate with its own element, which settles one more position.
 - chains: multi-hop look-up (Depo-like, Physics of LMs 4.1). An item is [bos] and c chains of D+1
   assignments "x y" (x takes y's value), interleaved at random, each variable assigned once and

@@ -201,6 +201,9 @@ def main():
                          "on the CPU at a tiny size")
     if tiny and device != "cpu":
         raise ValueError(f"--device={device}: --tiny runs on the CPU (--device=cpu)")
+    if tiny and device_batch_size != 8:
+        raise ValueError(f"--device_batch_size={device_batch_size} does nothing with --tiny (its "
+                         "device batch is 2): remove it")
     errors.directory("--data_dir", data_dir)
     if out:
         errors.output_file("--out", out)
