@@ -27,11 +27,11 @@ from torch.utils.checkpoint import checkpoint
 
 try:
     from flt.decoding import ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
-    from flt.decoding import check_draft, choose, draft_and_verify
+    from flt.decoding import Decoder, check_draft, choose, draft_and_verify
 except ImportError:
     # a Hugging Face export (scripts/export_hf.py) has decoding.py beside model.py
     from .decoding import ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
-    from .decoding import check_draft, choose, draft_and_verify
+    from .decoding import Decoder, check_draft, choose, draft_and_verify
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
@@ -278,14 +278,14 @@ class LoopRun:
             if self.cache is None:
                 x = block(x, self.rope, h_prev, inject)
             else:
-                # decoding runs eagerly: its shapes change every step (compiled: recompiles)
+                # not compile_regions' graphs: a cached step's shapes are its own (Decoder)
                 cache = partial(self.cache.update, t, i, done=done)
                 x = block.forward(x, self.rope, h_prev, inject, cache)
         return x
 
     def finish(self, hs, norms):
         if self.cache is not None:
-            self.cache.pos += self.T
+            self.cache.advance(self.T)
         return Loops(hs, torch.stack(norms), self.exits.exit_loops)
 
 
@@ -387,12 +387,14 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
                  exit_threshold=None, attention_mask=None, cache_slots=None, draft_loops=None,
-                 draft_len=4):
+                 draft_len=4, decode=None):
         """Stream (B, 1) tokens with a KV cache: a prefill, then one token a step. cache_slots:
         its m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states).
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
-        all K (flt/decoding.py): the same tokens, or at a temperature the same distribution."""
+        all K (flt/decoding.py): the same tokens, or at a temperature the same distribution.
+        decode: the steps' path (flt/decoding.py: Decoder), "eager", "static" (one shape a step)
+        or "compiled" (on CUDA captured as CUDA graphs); None: compiled on CUDA, else eager."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds sequence_len={self.config.sequence_len}")
@@ -400,21 +402,23 @@ class GPT(nn.Module):
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)}: "
                              f"expected the prompt's {tuple(idx.shape)}")
         rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
+        K = self.loop_count(loops)
         if draft_loops is not None:
-            K = self.loop_count(loops)
             check_draft(K, draft_loops, draft_len, cache_slots, exit_threshold)
             for tokens in draft_and_verify(self, idx, max_new_tokens, K, draft_loops, draft_len,
-                                           temperature, top_k, rng, attention_mask):
+                                           temperature, top_k, rng, attention_mask, decode=decode):
                 yield from tokens.split(1, dim=1)
             return
-        cache = self.new_kv_cache(idx.size(0), loops, attention_mask, cache_slots)
-        logits = self(idx, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)[:, -1]
-        for step in range(max_new_tokens):
+        step = Decoder(self, idx, K, decode, attention_mask, cache_slots, exit_threshold)
+        # the prefill: the prompt in one forward (eager: its length varies)
+        logits = self(idx, loops=K, kv_cache=step.cache, exit_threshold=exit_threshold)[:, -1]
+        for i in range(max_new_tokens):
+            # chosen on the device: no host read
             token = choose(logits, temperature, top_k, rng)
             yield token
-            if step + 1 < max_new_tokens:
-                logits = self(token, loops=loops, kv_cache=cache, exit_threshold=exit_threshold)
-                logits = logits[:, -1]
+            if i + 1 < max_new_tokens:
+                # one token through the K loops, at the cache's next position
+                logits = step(token).logits[:, -1]
 
     def new_kv_cache(self, batch_size, loops=None, attention_mask=None, cache_slots=None):
         K = self.loop_count(loops)
@@ -453,8 +457,8 @@ class GPT(nn.Module):
         recompile_limit graphs dynamo silently runs calls eagerly: training needs one per kind,
         grad mode and requires_grad of x and h_prev (at most 4 a kind in loop 1, 8 later), so
         the limit is raised to that; evaluation runs eagerly (train.py:
-        set_stance("force_eager")), or each input length would add graphs. Runs with a KV cache
-        stay eager. Returns the model."""
+        set_stance("force_eager")), or each input length would add graphs. Cached decoding
+        bypasses them (its compiled step: flt/decoding.py: Decoder). Returns the model."""
         for block in self.transformer.h:
             block.compile(**kwargs)
         # fuses softcap + cross-entropy over (B, T, V)

@@ -1,11 +1,13 @@
-"""Support for model.py's loop: the attention mask, decoding's KV cache of loop slots, the exit
-rule (depth per token), which loops a call runs (LoopSpan), drafting with fewer loops, and the
+"""Support for model.py's loop: the attention mask, decoding's KV cache of loop slots (and its
+static twin, one shape a step), the exit rule (depth per token), which loops a call runs
+(LoopSpan), generate's decode step (eager, static or compiled), drafting with fewer loops, and the
 checks of their settings, each written once. A reader of the loop (model.py: GPT.loop_states)
 meets each as one name; their bookkeeping lives here.
 
     mask = attention_mask(n_q, n_k, pos, window, device)  # True = visible (causal, window, padding)
     cache = KVCache(B, K, config)                         # keys/values per (loop slot, layer)
     k, v, mask = cache.update(loop, layer, k, v, window)  # what a layer attends to while decoding
+    step = Decoder(model, idx, K, decode)                 # generate's cache and step (Step = h, logits)
     exits = ExitRule(threshold, idx, head, cache)         # Huginn's KL exit, per position
     stop = exits.update(hs)                               # after each loop: True once all exited
     span = LoopSpan(K, start=K_d, h_start=h)              # loops K_d+1..K, from h(K_d)
@@ -13,6 +15,7 @@ meets each as one name; their bookkeeping lives here.
 
 This file needs torch alone: scripts/export_hf.py copies it beside model.py into a Hugging Face
 folder, where model.py imports it as `.decoding`."""
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -21,9 +24,9 @@ import torch.nn.functional as F
 
 def attention_mask(n_q, n_k, pos, window, device, pad=None):
     """Boolean mask, True = visible: query pos+i sees key j iff j <= pos+i (and pos+i-j < window).
-    pad (B,): row b's first pad[b] keys are left padding, seen by no query but their own; the
-    mask is then (B, 1, n_q, n_k)."""
-    i = torch.arange(pos, pos + n_q, device=device)[:, None]
+    pos: an int, or a device tensor (StaticCache). pad (B,): row b's first pad[b] keys are left
+    padding, seen by no query but their own; the mask is then (B, 1, n_q, n_k)."""
+    i = (pos + torch.arange(n_q, device=device))[:, None]
     j = torch.arange(n_k, device=device)[None, :]
     visible = (j <= i) & (i - j < window) if window is not None else j <= i
     if pad is not None:
@@ -58,7 +61,9 @@ def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
         pos, limit = 0, rope_positions
         what = f"the RoPE table's {limit} positions ({limit // sequence_len} x "
     else:
-        pos, limit = kv_cache.pos, kv_cache.capacity
+        # a StaticCache's position is on the device, where reading it would wait for the GPU:
+        # generate checks the prompt and its new tokens against the capacity before decoding
+        pos, limit = 0 if kv_cache.static else kv_cache.pos, kv_cache.capacity
         what = f"the KV cache's capacity of {limit} tokens ("
     if pos + T > limit:
         raise ValueError(f"input of {pos + T} tokens exceeds {what}sequence_len={sequence_len})")
@@ -79,12 +84,25 @@ def check_cache_slots(cache_slots, K, prefix=""):
                          f"or None ({K} slots, exact)")
 
 
+def left_padding(attention_mask):
+    """(B,) each row's count of left padding (the 0s of attention_mask (B, T)), None if none."""
+    if attention_mask is None or attention_mask.all():
+        return None
+    # a 1 before a 0 in a row: padding on the right
+    if (attention_mask != 0).int().diff(dim=1).min() < 0:
+        raise ValueError("attention_mask: expected left padding, "
+                         "each row's 0s (padding) before its 1s")
+    return (attention_mask == 0).sum(1)
+
+
 class KVCache:
     """Keys and values per (loop slot, layer), each loop's from its own stream. K slots (K*L
     entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t uses slot t mod m,
     so earlier forwards' tokens are seen as the slot's last loop left them. A forward's tokens go
     at `pos` (of `capacity`); attention_mask (B, T) of the first forward: 0 = left padding, unseen.
     """
+    # its position is a Python int, and a step attends to the keys written so far (StaticCache: not)
+    static = False
 
     def __init__(self, B, loops, config, capacity=None, attention_mask=None, cache_slots=None):
         self.loops = loops
@@ -96,27 +114,30 @@ class KVCache:
         self.shape = (B, config.n_kv_head, self.capacity, config.n_embd // config.n_head)
         # (slot, layer) -> (k, v), each (B, H_kv, capacity, D), made when first written
         self.kv = {}
-        self.pad = None
-        if attention_mask is not None and not attention_mask.all():
-            self.pad = (attention_mask == 0).sum(1)
-        # a 1 before a 0 in a row: padding on the right
-        if self.pad is not None and (attention_mask != 0).int().diff(dim=1).min() < 0:
-            raise ValueError("attention_mask: expected left padding, "
-                             "each row's 0s (padding) before its 1s")
+        self.pad = left_padding(attention_mask)
 
     def positions(self, n):
         """RoPE positions of the next n tokens: from pos, or per row (B, n) from its first token."""
         if self.pad is None:
             return slice(self.pos, self.pos + n)
-        at = torch.arange(self.pos, self.pos + n, device=self.pad.device)
+        # pos may be a device tensor (StaticCache)
+        at = self.pos + torch.arange(n, device=self.pad.device)
         return (at - self.pad[:, None]).clamp(min=0)
+
+    def advance(self, n):
+        """Past a forward's n tokens."""
+        self.pos += n
 
     def slot(self, loop, layer, like):
         # loop t's slot
         loop %= self.cache_slots
         if (loop, layer) not in self.kv:
-            self.kv[loop, layer] = (like.new_zeros(self.shape), like.new_zeros(self.shape))
+            self.kv[loop, layer] = self.allocate(like)
         return self.kv[loop, layer]
+
+    def allocate(self, like):
+        """A slot's (k, v), zeros at the capacity, as `like`'s dtype and device."""
+        return like.new_zeros(self.shape), like.new_zeros(self.shape)
 
     def update(self, loop, layer, k, v, window=None, done=None):
         """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far
@@ -146,6 +167,86 @@ class KVCache:
                 prev = self.slot(loop - 1, layer, None)
                 for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
                     dst[:, :, self.pos:self.pos + n] = src[:, :, self.pos:self.pos + n]
+
+
+class StaticCache(KVCache):
+    """A KVCache whose decode steps have one shape (gpt-fast's recipe): a step's keys and values
+    are written at its positions given as a device tensor (pos), and each layer attends over the
+    whole capacity with a mask (causal, its window, left padding), so a step of the K loops, a
+    draft step and a verification each have the same shapes at every position, and one compiled
+    graph serves them all. The position advances on the device: no host read. The slots are
+    allocated at the capacity when the prefill first writes them, and marked static (a captured
+    CUDA graph reads and writes them in place); pad is a tensor even without padding (zeros), so
+    padded and unpadded prompts share a graph. The exit rule decodes with KVCache."""
+    static = True
+
+    def __init__(self, B, loops, config, device, cache_slots=None):
+        # the next position, on the device; set before KVCache's pos = 0 (the setter below)
+        self.at = torch.zeros((), dtype=torch.long, device=device)
+        super().__init__(B, loops, config, cache_slots=cache_slots)
+        self.pad = torch.zeros(B, dtype=torch.long, device=device)
+        for tensor in (self.at, self.pad):
+            torch._dynamo.mark_static_address(tensor)
+
+    @property
+    def pos(self):
+        return self.at
+
+    @pos.setter
+    def pos(self, value):
+        # in place: a captured graph reads this tensor, not a new one
+        self.at.fill_(value)
+
+    def advance(self, n):
+        self.at.add_(n)
+
+    def reset(self, attention_mask=None):
+        """Ready for a new prompt, in place: position 0, its left padding, every slot zeroed."""
+        pad = left_padding(attention_mask)
+        self.pos = 0
+        self.pad.copy_(0 if pad is None else pad)
+        for k, v in self.kv.values():
+            k.zero_()
+            v.zero_()
+        return self
+
+    def allocate(self, like):
+        kv = super().allocate(like)
+        for tensor in kv:
+            torch._dynamo.mark_static_address(tensor)
+        return kv
+
+    def update(self, loop, layer, k, v, window=None, done=None):
+        """Store this step's k/v (B, H_kv, T, D) at its positions; return the slot's keys/values
+        over the whole capacity and the mask that hides the unwritten and the padding."""
+        if done is not None:
+            raise ValueError("the exit rule decodes with KVCache: its positions are read on the host")
+        k_all, v_all = self.slot(loop, layer, k)
+        at = self.at + torch.arange(k.size(2), device=k.device)
+        # in k's dtype, as KVCache (under CUDA autocast v is bf16, k fp32 from the fp32 norm)
+        k_all.index_copy_(2, at, k)
+        v_all.index_copy_(2, at, v.to(v_all.dtype))
+        mask = attention_mask(k.size(2), self.capacity, self.at, window, k.device, self.pad)
+        return k_all, v_all, mask
+
+
+# each model's last StaticCache, dropped with the model: the next decode of the same shape reuses
+# it, so the step's captured CUDA graphs replay at its addresses (a new cache would re-record them)
+RESERVED = weakref.WeakKeyDictionary()
+
+
+def static_cache(model, B, K, device, attention_mask, cache_slots, owner):
+    """A StaticCache of B rows at K loops, reset for a new prompt: the model's last one if its shape
+    and numerics fit and no unfinished decode (its owner, held weakly) still uses it, else new."""
+    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+    key = (B, K, K if cache_slots is None else cache_slots, device, model.lm_head.weight.dtype, autocast)
+    cache = RESERVED.get(model)
+    if cache is None or cache.key != key or cache.owner() is not None:
+        cache = RESERVED[model] = StaticCache(B, K, model.config, device, cache_slots)
+        # the shape and numerics it serves
+        cache.key = key
+    cache.owner = weakref.ref(owner)
+    return cache.reset(attention_mask)
 
 
 class ExitRule:
@@ -191,6 +292,93 @@ class ExitRule:
             hs += hs[-1:] * (K - t)
             return True
         return False
+
+
+# ---------------------------------------------------------------------------- the decode step
+# generate's steps on one of three paths. Eager: the KVCache grows by each step, so every step has
+# new shapes (how decoding ran before). Static: a StaticCache, so each kind of step (a token's K
+# loops; drafting's draft step and its verification) has one shape. Compiled: the static step
+# compiled whole; on CUDA captured as CUDA graphs, so a token's K*L block calls are one replay
+# instead of hundreds of kernel launches from Python (gpt-fast's recipe for decoding at the
+# memory bandwidth's speed). The prefill runs eagerly on every path: its length varies.
+
+DECODE_PATHS = ("eager", "static", "compiled")
+
+
+class Step(NamedTuple):
+    """A decode step's output: h (B, T, d), the state of its span's last loop; logits (B, T, V)."""
+    h: torch.Tensor
+    logits: torch.Tensor
+
+
+def loops_step(model, tokens, span, cache, exit_threshold=None):
+    """A span's loops over tokens (B, T) written at the cache's position, and their logits: Step."""
+    h = model.loop_states(tokens, span, cache, exit_threshold).states[-1]
+    return Step(h, model.head(h))
+
+
+def compile_step(device_type, backend="inductor"):
+    """loops_step compiled whole: fullgraph=True (a graph break is an error, not a silent split),
+    dynamic=False (a graph per shape of step: K, batch, cache slots, kind of span), and on CUDA
+    mode="reduce-overhead", which captures each graph as a CUDA graph."""
+    options = dict(mode="reduce-overhead") if device_type == "cuda" else {}
+    # a graph per (model, K, batch, cache slots, kind of step) can pass dynamo's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(loops_step, backend=backend, fullgraph=True, dynamic=False, **options)
+
+
+# the compiled step per device type, built on first use
+COMPILED = {}
+
+
+def decode_path(decode, device, exit_threshold=None):
+    """generate's path: decode, or by default "compiled" on CUDA and "eager" elsewhere. The exit
+    rule decodes eagerly (a position's depth is decided on the host), so it refuses the others."""
+    if decode is None:
+        return "compiled" if device.type == "cuda" and exit_threshold is None else "eager"
+    if decode not in DECODE_PATHS:
+        raise ValueError(f"decode={decode!r}: expected one of {', '.join(DECODE_PATHS)}, or None "
+                         "(compiled on CUDA, eager elsewhere)")
+    if decode != "eager" and exit_threshold is not None:
+        raise ValueError(f"decode={decode!r} with exit_threshold={exit_threshold!r}: the exit rule "
+                         "decodes on the eager path (decode='eager' or None)")
+    return decode
+
+
+class Decoder:
+    """generate's KV cache (.cache) and its step on one path (decode_path): a call runs a span's
+    loops (default: all K) over tokens (B, T) at the cache's position and returns a Step. On the
+    static paths a step's tokens and outputs stay on the device: no host read a token."""
+
+    def __init__(self, model, idx, K, decode=None, attention_mask=None, cache_slots=None,
+                 exit_threshold=None):
+        self.model = model
+        self.K = K
+        self.exit_threshold = exit_threshold
+        self.path = decode_path(decode, idx.device, exit_threshold)
+        if self.path == "eager":
+            self.cache = model.new_kv_cache(idx.size(0), K, attention_mask, cache_slots)
+        else:
+            self.cache = static_cache(model, idx.size(0), K, idx.device, attention_mask,
+                                      cache_slots, owner=self)
+        self.device_type = idx.device.type
+        if self.path == "compiled" and self.device_type not in COMPILED:
+            COMPILED[self.device_type] = compile_step(self.device_type)
+
+    def __call__(self, tokens, span=None, eager=False):
+        """eager: this call uncompiled whatever the path (another shape would be another graph)."""
+        span = LoopSpan(self.K) if span is None else span
+        if eager or self.path != "compiled":
+            return loops_step(self.model, tokens, span, self.cache, self.exit_threshold)
+        captured = self.device_type == "cuda"
+        if captured:
+            # a new replay begins: the last one's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        # standard strides: a slice's (drafting's last token) would be another graph
+        tokens = tokens.clone(memory_format=torch.contiguous_format)
+        out = COMPILED[self.device_type](self.model, tokens, span, self.cache)
+        # a captured graph's outputs live in its memory pool, overwritten by its next replay
+        return Step(out.h.clone(), out.logits.clone()) if captured else out
 
 
 # ---------------------------------------------------------------------------- drafting with fewer loops
@@ -261,28 +449,31 @@ def check_draft(K, draft_loops, draft_len, cache_slots=None, exit_threshold=None
 
 
 def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temperature=0.0,
-                     top_k=None, rng=None, attention_mask=None, stats=None):
+                     top_k=None, rng=None, attention_mask=None, stats=None, decode=None):
     """Yield (B, n) tokens, n >= 1 per round, max_new_tokens in all: those of K-loop decoding
     (greedy: the same tokens; sampling: the same distribution). A round drafts up to draft_len
     tokens with loops 1..K_d, verifies them with loops K_d+1..K in one forward, keeps the
     longest prefix every row confirms, and ends with the K-loop model's own token. The cache
     is rewound past the rest: its entries there are overwritten before any query reads them.
-    stats (a dict): rounds, drafted and accepted tokens per row, and the cache."""
+    decode: the steps' path (Decoder). stats (a dict): rounds, drafted and accepted tokens per
+    row, and the cache."""
     K_d, B = draft_loops, idx.size(0)
-    cache = model.new_kv_cache(B, K, attention_mask)
+    step = Decoder(model, idx, K, decode, attention_mask)
+    cache = step.cache
     counts = {} if stats is None else stats
     counts.update(rounds=0, drafted=0, accepted=0, cache=cache)
     token = choose(model(idx, loops=K, kv_cache=cache)[:, -1], temperature, top_k, rng)
     yield token
     done = 1
     while done < max_new_tokens:
-        start, n = cache.pos, min(draft_len, max_new_tokens - done)
+        # the cache holds the prompt and every emitted token but the last (counted on the host)
+        start, n = idx.size(1) + done - 1, min(draft_len, max_new_tokens - done)
         # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
         fed, states, drafts, q = [token], [], [], []
         for i in range(n):
-            h = model.loop_states(fed[-1], LoopSpan(K, stop=K_d), cache).states[-1]
+            h, logits = step(fed[-1], LoopSpan(K, stop=K_d))
             states.append(h)
-            logits = model.head(h)[:, -1]
+            logits = logits[:, -1]
             drafts.append(choose(logits, temperature, top_k, rng))
             if temperature:
                 q.append(token_probs(logits, temperature, top_k))
@@ -291,8 +482,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the verification: loops K_d+1..K of the n fed tokens in one forward, at their positions
         cache.pos = start
         rest = LoopSpan(K, start=K_d, h_start=torch.cat(states, 1))
-        h = model.loop_states(torch.cat(fed, 1), rest, cache)
-        logits = model.head(h.states[-1])
+        # a shorter last round runs uncompiled: its shape would be another graph
+        logits = step(torch.cat(fed, 1), rest, eager=n < draft_len).logits
         drafts = torch.cat(drafts, 1)
         if temperature == 0:
             tokens = logits.argmax(-1)

@@ -14,6 +14,9 @@ Speed and memory checks, measured side by side in one run.
         # the loop cache (cache_slots = m of K): bytes, bpb price, greedy agreement, tokens/s per m
     python -m scripts.bench --mode=speculative --run=out/d3_flt_k3,out/d3_lt_k3 --plot=spec.png
         # self-speculative decoding (draft with K_d loops, verify with K): tok/s, acceptance
+    python -m scripts.bench --mode=decode --run=out/d3_flt_k3
+        # generate's decode paths at batch 1 and 16: eager, the static step eager and compiled
+        # (CUDA graphs on CUDA), drafting on the compiled step: tok/s, share of the bandwidth limit
 Ratio timings alternate between the two sides and keep the median of several repeats, so
 machine noise hits both sides alike.
 """
@@ -39,13 +42,14 @@ from flt import corpus, diagnostics, runtime
 import data
 from configurator import configure, settings_of
 from model import GPT, GPTConfig
+from flt.decoding import check_draft
 from flt.planning import consumed_tokens_per_s, peak_flops
 from flt import errors
 from flt.errors import user_errors
 from flt.runtime import Timer, precision, resolve_dtype, setup, timed
 from optim import build_optimizers, clip_coefficient, reduce_gradients
 
-mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf | cache | speculative
+mode = "ratios"             # ratios | train | memory | loader | syncs | lmeval | hf | cache | speculative | decode
 device = "cpu"              # cpu | cuda | cuda:N | mps; empty = cuda if there is one, else cpu
 depth = 4
 sequence_len = 256
@@ -57,7 +61,7 @@ variant = "FLT"             # train, memory and syncs modes
 attn = "full"               # train mode: full | mla
 n_kv_head = None            # train mode: None = n_head
 window_pattern = "L"        # train mode
-vocab_size = 151644         # train, memory and syncs modes: the Qwen3 vocabulary (padded to 151,680)
+vocab_size = 151644         # train, memory, syncs, decode modes: the Qwen3 vocabulary (padded to 151,680)
 world_size = 8              # syncs mode: ranks simulated in this process by a fake process group
 checkpoint_loops = False    # train mode (memory runs both)
 compile_mode = "regional"   # train mode (memory runs all three): eager | regional (compile_regions) | whole
@@ -67,24 +71,30 @@ data_dir = "data"           # loader, lmeval and hf modes: the embedded corpus
 run = ""                    # hf mode: a run's out_dir or step dir; "" = a fresh FLT of this depth, saved and exported
                             # cache mode: comma-separated runs; "" = the quick start's out/d3_flt_k3
 plot = ""                   # cache, speculative modes: a PNG (the price against memory; the speed-up)
-baseline = ""               # cache, speculative modes: a git commit whose default decoding is timed beside
+baseline = ""               # cache, speculative, decode (with --run) modes: a git commit whose default decoding
+                            # is timed beside
 seconds = 5.0               # loader mode
+draft_loops = 2             # decode mode: the drafting row's K_d (below loops); 0 = no drafting row
+draft_len = 4               # decode mode: the drafting row's tokens drafted a round
 COMPILE_MODES = ("eager", "regional", "whole")
 MODES = ("ratios", "train", "memory", "memory_step", "loader", "syncs", "lmeval", "hf", "cache",
-         "speculative")
+         "speculative", "decode")
 # The modes that read each setting (a fresh model of `depth` is make()'s); `mode` serves all. A setting off
 # its default given to another mode would do nothing, and is refused.
-BUILT = ("ratios", "train", "memory", "memory_step", "syncs", "lmeval")
+BUILT = ("ratios", "train", "memory", "memory_step", "syncs", "lmeval", "decode")
 ON_DEVICE = tuple(m for m in MODES if m != "loader")
 READ_BY = {"device": ON_DEVICE, "dtype": ON_DEVICE, "depth": (*BUILT, "hf"), "loops": (*BUILT, "loader", "hf"),
            "sequence_len": (*BUILT, "loader"), "batch_size": (*BUILT, "loader", "hf"),
-           "repeats": ("ratios", "lmeval", "hf", "cache", "speculative"), "gen_tokens": ("ratios", "hf"),
+           "repeats": ("ratios", "lmeval", "hf", "cache", "speculative", "decode"),
+           "gen_tokens": ("ratios", "hf"),
            "variant": ("train", "memory", "memory_step", "syncs"),
            "attn": ("train",), "n_kv_head": ("train",), "window_pattern": ("train",),
-           "vocab_size": ("train", "memory", "memory_step", "syncs"), "world_size": ("syncs",),
+           "vocab_size": ("train", "memory", "memory_step", "syncs", "decode"), "world_size": ("syncs",),
            "checkpoint_loops": ("train", "memory_step"), "compile_mode": ("train", "memory_step"),
-           "steps": ("train",), "data_dir": ("loader", "lmeval", "hf"), "run": ("hf", "cache", "speculative"),
-           "plot": ("cache", "speculative"), "baseline": ("cache", "speculative"), "seconds": ("loader",)}
+           "steps": ("train",), "data_dir": ("loader", "lmeval", "hf"),
+           "run": ("hf", "cache", "speculative", "decode"), "plot": ("cache", "speculative"),
+           "baseline": ("cache", "speculative", "decode"), "seconds": ("loader",), "draft_loops": ("decode",),
+           "draft_len": ("decode",)}
 _defaults = settings_of(globals())
 with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1, no traceback
     configure(globals(), sys.argv[1:])
@@ -99,13 +109,17 @@ with user_errors("scripts.bench"):  # a bad setting: one line and exit status 1,
         errors.positive(f"--{key}", globals()[key])
     if seconds <= 0:
         raise ValueError(f"--seconds={seconds!r}: expected a positive number of seconds")
-    if mode == "hf" and run and not os.path.isdir(run):
+    if mode in ("hf", "decode") and run and not os.path.isdir(run):
         raise FileNotFoundError(f"--run={run}: no such run directory")
     rt = setup(device)  # the device checks of train.py and eval.py; "cuda" becomes "cuda:0"
     device, cuda = rt.device, rt.device_type == "cuda"
     dtype = resolve_dtype(dtype, rt.device_type)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode={compile_mode!r}: expected one of {COMPILE_MODES}")
+    if mode == "decode" and draft_loops:
+        check_draft(loops, draft_loops, draft_len, prefix="--")
+    if mode == "decode" and baseline and not run:
+        raise ValueError(f"--baseline={baseline} in --mode=decode needs --run: the weights both decode with")
 
 
 def gpt_config(depth, **overrides):
@@ -722,8 +736,102 @@ def speculative():
         default_decoding(runs[0])
 
 
+# ----------------------------------------------------------------------------- the decode paths
+# HBM bandwidth in bytes/s by (part of) the device's name, more specific names first (datasheets)
+BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+             ("A100", 2.0e12))
+DECODE_BATCHES = (1, 16)
+
+
+def decode_model():
+    """(model in eval mode, autocast, what it is): `run`'s, or a fresh FLT of depth, sequence_len,
+    loops and vocab_size with every weight drawn (init_weights zeroes the output projections: each
+    block would be the identity, and every path's tokens trivially equal)."""
+    if run:
+        from flt import checkpoint
+        model = checkpoint.load_model(run, device, log=lambda *args: None)[0]
+        what = f"{run} (depth {model.config.n_layer}, T={model.config.sequence_len})"
+    else:
+        model = make("FLT", vocab=vocab_size)[0]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("c_proj.weight"):
+                    p.uniform_(-(3 / p.size(1)) ** 0.5, (3 / p.size(1)) ** 0.5)
+        what = f"a fresh FLT, depth {depth}, T={sequence_len}, every weight drawn"
+    return model.eval(), precision(model, rt.device_type, dtype), what
+
+
+def decode_steps(model, autocast, prompt, **kwargs):
+    """(greedy tokens (B, GEN), seconds of the steps after the prefill's first token)."""
+    with torch.no_grad(), autocast:
+        stream = model.generate(prompt, GEN, temperature=0, loops=loops, **kwargs)
+        first = next(stream)
+        with Timer(device) as took:
+            rest = list(stream)
+    return torch.cat([first, *rest], 1), took.seconds
+
+
+def decode():
+    """generate's decode paths side by side (flt/decoding.py: Decoder), greedy, GEN tokens after
+    PROMPT_TOKENS random ones at batch 1 and 16, at K = loops: today's eager KV cache, the static
+    step run eagerly, the static step compiled (on CUDA captured as CUDA graphs), and drafting
+    (draft_loops, draft_len) on the compiled step. Each path's first call is its warm-up (the
+    compiled one compiles then), then every path once a round, median of `repeats`; tok/s counts
+    the steps after the prefill. The bandwidth limit is the issue's: a step reads the blocks'
+    weights K times and the LM head once, in bf16, whatever the batch. baseline: the default path
+    against that commit's (default_decoding)."""
+    if run:
+        checked_runs()
+    model, autocast, what = decode_model()
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    bandwidth = next((bw for key, bw in BANDWIDTH if key.lower() in name.lower()), None)
+    blocks = sum(p.numel() for p in model.transformer.h.parameters())
+    step_bytes = 2 * (loops * blocks + model.lm_head.weight.numel())
+    compiled = "captured (CUDA graphs)" if cuda else "compiled (inductor)"
+    paths = {"eager (KVCache, as before)": dict(decode="eager"), "static, eager": dict(decode="static"),
+             f"static, {compiled}": dict(decode="compiled")}
+    if draft_loops:
+        paths[f"drafting K_d={draft_loops} g={draft_len}, {compiled}"] = dict(
+            decode="compiled", draft_loops=draft_loops, draft_len=draft_len)
+    print(f"{name}, {dtype}, torch {torch.__version__}; {what}; K={loops}; greedy, {GEN} tokens after "
+          f"{PROMPT_TOKENS}; median of {repeats}; a step reads {step_bytes / 1e9:.3f} GB of weights "
+          f"(bf16)" + ("" if bandwidth else "; no bandwidth figure for this device"), flush=True)
+    lines = ["| batch | path | tok/s | x eager | share of bandwidth limit | identical tokens | "
+             "first call (s) |", "|---" * 7 + "|"]
+    for B in DECODE_BATCHES:
+        prompt = torch.randint(0, model.config.vocab_size, (B, PROMPT_TOKENS),
+                               generator=torch.Generator().manual_seed(B)).to(device)
+        first, tokens, times = {}, {}, {path: [] for path in paths}
+        for path, kwargs in paths.items():
+            with Timer(device) as took:
+                tokens[path] = decode_steps(model, autocast, prompt, **kwargs)[0]
+            first[path] = took.seconds
+        # side by side: every path once a round
+        for _ in range(repeats):
+            for path, kwargs in paths.items():
+                times[path].append(decode_steps(model, autocast, prompt, **kwargs)[1])
+        reference = next(iter(paths))
+        base = B * (GEN - 1) / statistics.median(times[reference])
+        for path in paths:
+            tok_s = B * (GEN - 1) / statistics.median(times[path])
+            share = f"{tok_s * step_bytes / (B * bandwidth):.1%}" if bandwidth else "n/a"
+            equal = (tokens[path] == tokens[reference]).double().mean().item()
+            same = "reference" if path == reference else "yes" if equal == 1 else f"no ({equal:.0%} equal)"
+            lines.append(f"| {B} | {path} | {tok_s:,.0f} | {tok_s / base:.2f} | {share} | {same} | "
+                         f"{first[path]:.1f} |")
+            print(lines[-1], flush=True)
+    # a CUDA graph skipped (a mutated input not marked static, say) leaves the step uncaptured
+    counts = torch._dynamo.utils.counters
+    print(f"\ngraphs compiled: {counts['stats']['unique_graphs']}; CUDA graphs skipped: "
+          f"{counts['inductor']['cudagraph_skips']}")
+    print("\n".join(lines))
+    if baseline:
+        default_decoding(run)
+
+
 if __name__ == "__main__":
     modes = {"ratios": ratios, "train": train, "memory": memory, "memory_step": memory_step, "loader": loader,
-             "syncs": syncs, "lmeval": lmeval, "hf": hf, "cache": cache, "speculative": speculative}
+             "syncs": syncs, "lmeval": lmeval, "hf": hf, "cache": cache, "speculative": speculative,
+             "decode": decode}
     with user_errors("scripts.bench"):  # a bad setting or input: one line and exit status 1
         modes[mode]()

@@ -10,7 +10,8 @@ short keeps what the others measured. The parts:
   base        config/flt_base.py's model at K = 9, then K = 1: tokens/s and MFU by the model's
               own FLOP count (the loops counted), peak memory against the planner's estimate;
               then the authors' gpt.py at the same shape, if --authors_dir holds their nanochat/
-  decode      cached decoding against recomputing the whole forward per token, batch 1 and 16
+  decode      the eager cache, the captured static step and recomputing the whole forward per
+              token, batch 1 and 16
   numerics    the same weights' logits in bf16 here against fp32 on the CPU, and the first steps'
               losses against an fp32 CPU run of the same steps
 docs/testing.md has the table measured on an H100-class GPU and what it answers.
@@ -322,14 +323,21 @@ def beside_authors(model, batch, s):
 # ----------------------------------------------------------------------------- decode
 
 def decode(work):
-    """Greedy decoding at K: the KV cache (model.generate) against recomputing the whole forward
-    for every new token; tok/s at each batch and whether both give the same tokens."""
+    """Greedy decoding at K: the eager KV cache, the static step captured (compiled; CUDA graphs on
+    CUDA, flt/decoding.py: Decoder) and recomputing the whole forward for every new token; tok/s
+    at each batch and whether all give the same tokens."""
     s = sizes()
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(base_config(s["loops"], s))
     model.init_weights()
+    # the output projections start at 0 (every block the identity): small weights instead, so
+    # the loops change the tokens and "the same tokens" means something
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            torch.nn.init.normal_(p, std=0.02)
     model.eval()
+    captured = "compiled" if compile == "on" else "static"
     # train.py's default numerics: bf16 on a GPU, fp32 on the CPU (exact greedy ties there)
     kind = torch.device(device).type
     autocast = precision(model, kind, resolve_dtype("auto", kind))
@@ -338,10 +346,13 @@ def decode(work):
         prompt = torch.randint(0, s["vocab"], (batch, s["prompt"]), device=device)
         tokens = {}
 
-        @torch.no_grad()
-        def cached():
-            with autocast:
-                tokens["cached"] = torch.cat(list(model.generate(prompt, s["new"], temperature=0)), 1)
+        def generate(path):
+            @torch.no_grad()
+            def run():
+                with autocast:
+                    steps = model.generate(prompt, s["new"], temperature=0, decode=path)
+                    tokens[path] = torch.cat(list(steps), 1)
+            return run
 
         @torch.no_grad()
         def recompute():
@@ -352,13 +363,18 @@ def decode(work):
                     seq = torch.cat([seq, model.head(h).argmax(-1)], dim=1)
             tokens["recompute"] = seq[:, prompt.size(1):]
         times = {}
-        for name, fn in (("cached", cached), ("recompute", recompute)):
-            # one warm-up call, then the median of three
+        paths = (("eager", generate("eager")), (captured, generate(captured)),
+                 ("recompute", recompute))
+        for name, fn in paths:
+            # one warm-up call (it compiles), then the median of three
             fn()
             times[name] = median_seconds(fn, 1 if tiny else 3)
-        same = (tokens["cached"] == tokens["recompute"]).float().mean().item()
+        same = min((tokens[name] == tokens["recompute"]).float().mean().item()
+                   for name in ("eager", captured))
         rows.append({"batch": batch, "loops": s["loops"], "new_tokens": s["new"],
-                     "cached_tok_s": batch * s["new"] / times["cached"],
+                     "captured_path": captured,
+                     "cached_tok_s": batch * s["new"] / times["eager"],
+                     "captured_tok_s": batch * s["new"] / times[captured],
                      "recompute_tok_s": batch * s["new"] / times["recompute"],
                      "same_tokens": same})
     return {"rows": rows}
@@ -434,8 +450,10 @@ def table(results, where):
     elif authors:
         rows.append(("the authors' gpt.py", authors, ""))
     for row in results.get("decode", {}).get("rows", []):
-        rows.append((f"decode K={row['loops']} B={row['batch']}: cached / recompute tok/s",
-                     f"{row['cached_tok_s']:,.0f} / {row['recompute_tok_s']:,.0f}",
+        rows.append((f"decode K={row['loops']} B={row['batch']}: eager / {row['captured_path']} / "
+                     "recompute tok/s",
+                     f"{row['cached_tok_s']:,.0f} / {row['captured_tok_s']:,.0f} / "
+                     f"{row['recompute_tok_s']:,.0f}",
                      f"same tokens {row['same_tokens']:.2f}"))
     n = results.get("numerics", {})
     if "logits_max_diff" in n:

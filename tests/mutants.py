@@ -23,6 +23,7 @@ OPTIM = ["tests/test_optim.py"] + RECIPE
 MODEL = ["tests/test_model.py", "tests/test_variable_loops.py", "tests/test_padded_generate.py"]
 LOOP_CACHE = ["tests/test_loop_cache.py"]
 SPECULATIVE = ["tests/test_speculative.py"]
+STATIC = ["tests/test_static_decode.py"]
 TASKS = ["tests/test_tasks.py"]
 
 # (file, the line's text, the slip, the tests that pin it)
@@ -56,7 +57,7 @@ MUTANTS = [
     ("train.py", "model.zero_grad(set_to_none=True)", "pass", RECIPE),
     ("train.py", "truncated_bptt = None if bptt_loops == -1 else bptt_loops", "truncated_bptt = None", RECIPE),
     ("train.py", "loss, looped = model(x, y, loops=K,", "loss, looped = model(x, y, loops=loops,",
-     ["tests/test_variable_loops.py::test_sampled_loops_same_on_every_rank_and_after_resume"]),
+     ["tests/test_cluster.py::test_sigterm_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75"]),
     ("train.py", "flops_per_token = model.estimate_flops(K, truncated_bptt)", "flops_per_token = model.estimate_flops()",
      RECIPE),
     ("train.py", "if step > start_step and (step % save_interval == 0",
@@ -150,6 +151,18 @@ MUTANTS = [
      "(q.gather(-1, at) / p.gather(-1, at)).clamp(max=1)", SPECULATIVE),
     ("flt/decoding.py", "emitted = tokens[:, :min(m + 1, n)]", "emitted = tokens[:, :n]",
      SPECULATIVE),
+    # flt/decoding.py: the static decode step (one shape a step, a mask over the capacity)
+    ("flt/decoding.py", "mask = attention_mask(k.size(2), self.capacity, self.at, window, k.device, self.pad)",
+     "mask = attention_mask(k.size(2), self.capacity, self.at, window, k.device)", STATIC),
+    ("flt/decoding.py", "mask = attention_mask(k.size(2), self.capacity, self.at, window, k.device, self.pad)",
+     "mask = attention_mask(k.size(2), self.capacity, self.at, None, k.device, self.pad)", STATIC),
+    ("flt/decoding.py", "v_all.index_copy_(2, at, v.to(v_all.dtype))", "v_all.index_copy_(2, at, v)", STATIC),
+    ("flt/decoding.py", "self.at.add_(n)", "self.at.add_(1)", STATIC),
+    ("flt/decoding.py", "self.pad.copy_(0 if pad is None else pad)", "pass", STATIC),
+    ("flt/decoding.py", "start, n = idx.size(1) + done - 1, min(draft_len, max_new_tokens - done)",
+     "start, n = idx.size(1) + done, min(draft_len, max_new_tokens - done)", SPECULATIVE),
+    ("flt/decoding.py", "if cache is None or cache.key != key or cache.owner() is not None:",
+     "if cache is None or cache.key != key:", STATIC),
     ("model.py", "h_prev = hs[-1] if hs else span.h_start", "h_prev = hs[-1] if hs else None",
      SPECULATIVE),
     # the reasoning tasks: their answers, the held-out split, the stream, the accuracy
