@@ -221,15 +221,18 @@ def restart(variant, e, x0, h_prev):
 
 
 def injection(variant, layer):
+    """How layer `layer` (0 = the first) sees h(t-1) in loops t >= 2 (loop 1 is plain for every
+    variant: LoopRun.layers asks only from loop 2 on): "attn", "res" or None (plain)."""
     if variant == "FLT" or (variant == "LT_ai" and layer == 0):
         return "attn"
     return "res" if variant == "FLT_res" else None
 
 
 class Loops(NamedTuple):
-    """One pass's loops. states: [h(1), ..., h(K)], h(t) = norm(stream after loop t), each a
-    prediction point. resid_norms (K,): the mean L2 norm of the stream after loop t (before
-    norm), detached. exit_loops (B, T): the loops each position ran (ExitRule), or None."""
+    """One pass's loops. states: [h(t) of each loop run], h(t) = norm(stream after loop t), each
+    a prediction point: h(1)..h(K) for a whole pass (a LoopSpan's loops only; the exit rule pads
+    them to K). resid_norms: the mean L2 norm of the stream after each loop run (before norm),
+    detached. exit_loops (B, T): the loops each position ran (ExitRule), or None."""
     states: list
     resid_norms: torch.Tensor
     exit_loops: torch.Tensor | None = None
@@ -259,7 +262,7 @@ class LoopRun:
         at = slice(0, self.T) if kv_cache is None else kv_cache.positions(self.T)
         self.rope = (model.cos[at], model.sin[at])
 
-    def gradients(self, t):
+    def grad_mode(self, t):
         """Truncated backprop (Huginn): the loops before the last bptt_loops run as constants."""
         K, bptt_loops = self.span.K, self.span.bptt_loops
         early = bptt_loops is not None and t < K - bptt_loops
@@ -343,7 +346,7 @@ class GPT(nn.Module):
         for t in span.loops():
             h_prev = hs[-1] if hs else span.h_start
             # truncated backprop: only the last bptt_loops loops learn
-            with run.gradients(t):
+            with run.grad_mode(t):
                 # where loop t starts: norm(e) in loop 1, then the variant's restart
                 x = x0 if t == 0 else restart(self.config.variant, e, x0, h_prev)
                 # the L blocks, each seeing h(t-1) as injection() says (cached, checkpointed)
@@ -351,7 +354,7 @@ class GPT(nn.Module):
             # the residual stream's norm (Sec. 3, Fig. 2), then h(t) = norm(x)
             norms.append(x.detach().float().norm(dim=-1).mean())
             hs.append(norm(x))
-            # the exit rule: stop once no position loops on
+            # the exit rule (it keeps exited positions' h in hs): stop once none loops on
             if run.exits.update(hs):
                 break
         return run.finish(hs, norms)
@@ -456,7 +459,7 @@ class GPT(nn.Module):
         (a whole-model graph's backward keeps every loop's activations alive). Past
         recompile_limit graphs dynamo silently runs calls eagerly: training needs one per kind,
         grad mode and requires_grad of x and h_prev (at most 4 a kind in loop 1, 8 later), so
-        the limit is raised to that; evaluation runs eagerly (train.py:
+        the limit is raised to that; evaluation runs eagerly (flt/runtime.py: evaluating,
         set_stance("force_eager")), or each input length would add graphs. Cached decoding
         bypasses them (its compiled step: flt/decoding.py: Decoder). Returns the model."""
         for block in self.transformer.h:
