@@ -1,7 +1,9 @@
-"""Shared fixtures: the embedded corpus, built once; train.py's data_dir; a local HTTP server on
-127.0.0.1 (never the internet) with Range support and scripted failures. And the run's settings:
-one inductor cache for all its processes, new each run; one torch thread per pytest-xdist worker."""
+"""Shared fixtures: the embedded corpus, built once; train.py's data_dir; a tiny trained run; a local
+HTTP server on 127.0.0.1 (never the internet) with Range support and scripted failures. And the run's
+settings: one inductor cache for all its processes, new each run; one torch thread per pytest-xdist
+worker; what torch.multiprocessing's forkserver imports before it forks the ranks of a test."""
 import io
+import multiprocessing
 import os
 import re
 import runpy
@@ -46,6 +48,9 @@ def run_module(module, *argv):
 
 
 def pytest_configure(config):
+    # The ranks of torch.multiprocessing's start_method="forkserver" (in test_optim, test_checkpoint and
+    # test_eval) fork from one process that has imported their modules, not each a new interpreter
+    multiprocessing.set_forkserver_preload(["test_optim", "test_checkpoint", "test_eval"])
     # torch.compile's cache for this run's processes (xdist workers inherit the variable, and so do the
     # ranks they start), new each run: a compile test costs here what it costs a fresh CI machine.
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
@@ -83,6 +88,26 @@ def data_dir(tmp_path_factory, built_data):
     path = str(tmp_path_factory.mktemp("data"))
     shutil.copytree(built_data, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock"))
     return path
+
+
+# train.py's tiny run: depth 1, sequence_len 32, K=3, the tests' 512-token BPE, 4 steps.
+TINY_RUN = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4", "--total_batch_size=128",
+            "--bpe_vocab_size=512", "--num_steps=4", "--eval_interval=4", "--eval_tokens=256",
+            "--final_eval_tokens=256", "--sample_tokens=0"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, built_data):
+    """The run directory of TINY_RUN, trained once per worker for every test that reads a trained run
+    (lm_eval_flt, the Hugging Face export). Read it, never change it: copy it first."""
+    import forkserver
+    tmp = tmp_path_factory.mktemp("tiny_run")
+    shutil.copytree(built_data, tmp / "data", ignore=shutil.ignore_patterns("*.lock"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = forkserver.run(["train.py", *TINY_RUN, f"--out_dir={tmp / 'run'}", f"--data_dir={tmp / 'data'}"], root,
+                       dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return str(tmp / "run")
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -4,15 +4,12 @@ timings themselves are the machine's, not checked."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from conftest import run_module
 from test_train import python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--sequence_len=32", "--batch_size=2", "--loops=2"]
 RATIO = re.compile(r"(.+?) +([\d.]+) ms / +([\d.]+) ms = +([\d.]+)  \(target (.+)\)")
 
@@ -49,13 +46,6 @@ def test_memory_step_prints_one_json_record():
     record = json.loads(lines[-1])
     assert record.keys() == {"peak", "warmup", "step"}
     assert isinstance(record["peak"], int) and record["peak"] >= 0 and record["step"] > 0
-
-
-def test_unknown_mode_names_the_modes():
-    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=nope"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 1 and "mode='nope': expected one of ratios, train, memory, loader, syncs, lmeval, hf, " \
-                                  "cache, speculative" in p.stderr
 
 
 def test_lmeval_prints_the_quotient_of_a_sweep_and_five_passes(embedded):

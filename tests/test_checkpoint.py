@@ -263,7 +263,8 @@ def _two_ranks(rank, init_file, out, results):
 def test_one_rank_without_space_stops_every_rank_and_keeps_the_older_checkpoint(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), str(out), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(_two_ranks, args=(str(tmp_path / "init"), str(out), str(tmp_path)), nprocs=2,
+                       start_method="forkserver")
     records = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert records[0]["errors"] == records[1]["errors"]  # the same error, the same message, on both ranks
     (kind1, message1), (kind2, message2) = records[0]["errors"]

@@ -8,7 +8,6 @@ import inspect
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from flt import planning
 from configurator import configure, settings_of
 from conftest import config_for_depth
 from model import GPT
+from test_train import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))
@@ -194,7 +194,7 @@ def test_the_recipes_horizons_by_hand(monkeypatch):
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "scripts/bench.py"])
 def test_help_lists_every_setting_with_its_default_and_comment(script):
     command = ["-m", script[:-3].replace("/", ".")] if "/" in script else [script]
-    p = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = python(*command, "--help")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     namespace = train_defaults() if script == "train.py" else None

@@ -19,7 +19,6 @@ import re
 import runpy
 import socket
 import string
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -44,6 +43,9 @@ from flt import report
 from flt import runtime
 from configurator import settings_of
 from model import GPT, GPTConfig, Loops
+import forkserver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class CharTokenizer:
@@ -734,11 +736,10 @@ def test_cli_failed_mode_keeps_the_modes_before_it(tmp_path):
     _, _, step = save_checkpoint(tmp_path)
     args = [str(tmp_path / "run"), "--device=cpu", "--loops=1", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
             f"--data_dir={tmp_path / 'data'}"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "eval.py"), *args, "--modes=bpb,wiki,core",
+    proc = forkserver.run(["eval.py", *args, "--modes=bpb,wiki,core",
                            "--wiki_url=http://no-such-host.invalid/test.parquet",
-                           "--bundle_url=http://no-such-host.invalid/eval_bundle.zip"], cwd=root, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
+                           "--bundle_url=http://no-such-host.invalid/eval_bundle.zip"], ROOT,
+                          os.environ | {"OMP_NUM_THREADS": "1"}, stderr_to_stdout=True)
     out = proc.stdout
     assert proc.returncode == 1 and "--wiki_path" in out and "--bundle_dir" in out
     assert "2 of 3 modes could not run" in out and "after 1 attempts" in out  # no retries for an unknown host
@@ -816,8 +817,9 @@ def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, 
     saved = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert saved == {str(K): exact[K] | drafted[K] for K in exact}
     # the bound: K_d loops draft for a K of at least K_d + 1 (flt/decoding.py: check_draft)
-    for bad, message in ((["--draft_loops=3"], r"^--draft_loops=3: .*K >= 4"),
-                         (["--loops=1", "--draft_loops=1"], r"^--draft_loops=1: .*K >= 2"),
+    for bad, message in ((["--draft_loops=3"], r"^--draft_loops=3: .*than K=3, so K_d loops need "
+                                                r"K >= K_d \+ 1; allowed: an integer from 1 to 2$"),
+                         (["--loops=1", "--draft_loops=1"], r"^--draft_loops=1: .*allowed: none: K=1"),
                          (["--draft_loops=1", "--draft_len=0"], r"^--draft_len=0: expected an integer >= 1"),
                          (["--draft_loops=1", "--cache_slots=1"], r"^--cache_slots=1 with --draft_loops=1: ")):
         with pytest.raises(ValueError, match=message) as refused:
@@ -962,10 +964,8 @@ def test_the_tasks_mode_on_a_text_run_is_one_line(tmp_path):
     """A checkpoint trained on text cannot run the tasks mode: one error naming it and its dataset,
     before any mode plans; nothing written."""
     _, _, step = save_checkpoint(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "eval.py", str(tmp_path / "run"), "--modes=tasks", "--device=cpu"],
-                       cwd=root, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
-                       timeout=300)
+    p = forkserver.run(["eval.py", str(tmp_path / "run"), "--modes=tasks", "--device=cpu"], ROOT,
+                       os.environ | {"OMP_NUM_THREADS": "1"})
     assert (p.returncode, p.stdout) == (1, "")
     assert p.stderr == (f"eval.py: ValueError: --modes='tasks': the tasks mode scores a model trained on a task "
                         f"(s3, s5, chains), and {step} was trained on dataset='embedded'\n")
@@ -1063,7 +1063,7 @@ def test_distributed_shares_match_one_process(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, bundle, str(tmp_path)), nprocs=2)
+    mp.start_processes(_worker, args=(2, port, bundle, str(tmp_path)), nprocs=2, start_method="forkserver")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1  # every rank holds the all-reduced result
     model = randomize_(tiny_gpt())
@@ -1220,7 +1220,6 @@ def test_progress_lines_on_a_slow_mode(tmp_path, monkeypatch, capsys):
 
 
 # ----------------------------------------------------------------------------- device and dtype settings
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_CUDA = f"but this torch ({torch.__version__}) sees no CUDA device; use --device=cpu"
 DEVICES = "expected 'cpu', 'cuda', 'cuda:N' (one process), 'mps', or '' (cuda if there is one, else cpu)"
 DTYPES = ("expected 'bf16' or 'fp32' (or 'auto' in train.py and bench.py: bf16 on CUDA, fp32 elsewhere; '' in "
@@ -1280,12 +1279,10 @@ def test_the_command_line_says_it_without_a_traceback(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     commands = [["eval.py", str(step), "--device=cuda"], ["-m", "scripts.bench", *BENCH, "--device=cuda"],
                 ["-m", "scripts.bench", *BENCH, "--dtype=bf16"]]
-    procs = [subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for cmd in commands]  # at once: one torch import's wait, not three
-    (out1, err1), (out2, err2), (out3, err3) = (p.communicate(timeout=300) for p in procs)
-    for p, out, err, program in zip(procs[:2], (out1, out2), (err1, err2), ("eval.py", "scripts.bench")):
-        assert (p.returncode, out, err) == (1, "", f"{program}: ValueError: device='cuda', {NO_CUDA}\n")
-    assert procs[2].returncode == 0 and json.loads(out3.splitlines()[-1])["step"] > 0, err3
+    procs = [forkserver.run(cmd, ROOT, env) for cmd in commands]  # processes forked from one that imported torch
+    for p, program in zip(procs[:2], ("eval.py", "scripts.bench")):
+        assert (p.returncode, p.stdout, p.stderr) == (1, "", f"{program}: ValueError: device='cuda', {NO_CUDA}\n")
+    assert procs[2].returncode == 0 and json.loads(procs[2].stdout.splitlines()[-1])["step"] > 0, procs[2].stderr
 
 
 def test_eval_runs_in_bf16_on_cpu_and_refuses_auto(tmp_path):

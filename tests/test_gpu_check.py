@@ -48,14 +48,15 @@ def test_tiny_gpu_check_runs_every_part_and_reports_what_it_measured(tmp_path, d
                         p.stdout.splitlines()[-1])
 
 
-def test_gpu_check_writes_its_json_beside_its_runs_not_into_the_repository():
-    """Without --out, gpu_check.json goes to the work folder it names (a new temporary one)."""
-    p = python("-m", "scripts.gpu_check", "--tiny", "--device=cpu", "--parts=decode")
+def test_gpu_check_writes_its_json_beside_its_runs_not_into_the_repository(data_dir):
+    """Without --out, gpu_check.json goes to the work folder it names (a new temporary one). The part run:
+    numerics, which compiles nothing (decode compiles its static step unless --compile=off)."""
+    p = python("-m", "scripts.gpu_check", "--tiny", "--device=cpu", "--parts=numerics", f"--data_dir={data_dir}")
     assert p.returncode == 0, p.stderr[-2000:]
     written = re.fullmatch(r"written to (.*); the parts' runs and files are in (.*)", p.stdout.splitlines()[-1])
     path, work = written.groups()
     assert path == os.path.join(work, "gpu_check.json") and not path.startswith(ROOT)
-    assert list(json.load(open(path))) == ["meta", "decode"]
+    assert list(json.load(open(path))) == ["meta", "numerics"]
     shutil.rmtree(work)
     assert not os.path.exists(os.path.join(ROOT, "gpu_check.json"))
 

@@ -6,7 +6,7 @@ MLA, sliding window; K as saved and K at call time), greedy decoding by a full f
 project's own generate, each prompt of a left-padded batch alone, lm_eval_flt's loglikelihoods; and, in a
 subprocess with transformers alone (outside the repository), logits saved from the run.
 
-One tiny run is trained for the module (depth 1, sequence_len 32, a 512-id BPE, 4 steps); its weights are
+One tiny run (conftest.py: tiny_run, depth 1, sequence_len 32, a 512-id BPE, 4 steps) has its weights
 redrawn (a 4-step model is still near the identity, the same at every K) and it is exported once, by the
 command. The per-variant checks save checkpoints of randomised models with the run's tokenizer.
 """
@@ -34,7 +34,7 @@ from flt import checkpoint  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from scripts import export_hf  # noqa: E402
 from test_eval import one_thread  # noqa: E402, F401 (test_eval's autouse fixture: one thread)
-from test_lm_eval import TRAIN, quiet  # noqa: E402
+from test_lm_eval import quiet  # noqa: E402
 from test_model import greedy_by_full_forward, make_model, randomize_  # noqa: E402
 from test_padded_generate import left_padded  # noqa: E402
 
@@ -45,15 +45,11 @@ TEXTS = ["The function returns", "If the optional argument is given, the list", 
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """train.py's tiny run, its weights redrawn and saved again with its config, settings and tokenizer."""
-    tmp = tmp_path_factory.mktemp("hf")
-    p = subprocess.run([sys.executable, "train.py", *TRAIN, f"--out_dir={tmp / 'trained'}",
-                        f"--data_dir={tmp / 'data'}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    model, meta = checkpoint.load_model(str(tmp / "trained"), log=quiet)
-    return save_run(randomize_(model), meta, str(tmp / "run"))
+def run(tiny_run, tmp_path_factory):
+    """train.py's tiny run (conftest.py: TINY_RUN), its weights redrawn and saved again with its config, settings
+    and tokenizer."""
+    model, meta = checkpoint.load_model(tiny_run, log=quiet)
+    return save_run(randomize_(model), meta, str(tmp_path_factory.mktemp("hf") / "run"))
 
 
 def save_run(model, meta, out):

@@ -2,9 +2,6 @@
 counted as the difference between a short run of train.py and a longer one. (That the numbers it reads
 and logs are the right ones: tests/test_recipe.py recomputes them from the saved parameters.)"""
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
@@ -16,7 +13,6 @@ from test_train import python
 from model import GPT, GPTConfig
 from optim import build_optimizers, reduce_gradients
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4", "--total_batch_size=128",
         "--bpe_vocab_size=512", "--eval_interval=100", "--eval_tokens=256", "--final_eval_tokens=256",
         "--sample_tokens=0", "--momentum_warmup_steps=5", "--save_interval=100", "--log_clipped_norms"]
@@ -83,8 +79,8 @@ def test_read_is_one_copy_and_keeps_names_and_shapes():
 def test_bench_counts_one_host_sync_and_the_collectives_of_a_step():
     """scripts/bench.py --mode=syncs at a tiny shape, 8 simulated ranks. Depth 1: 6 matrices of 3 shapes (3
     Muon blocks of up to 8) and 2 AdamW parameters: 5 reduce-scatters, 5 all-gathers and 1 all-reduce."""
-    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--mode=syncs", "--depth=1", "--vocab_size=512",
-                        "--sequence_len=16", "--batch_size=1"], cwd=ROOT, capture_output=True, text=True, check=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    p = python("-m", "scripts.bench", "--mode=syncs", "--depth=1", "--vocab_size=512", "--sequence_len=16",
+               "--batch_size=1", timeout=120)
+    assert p.returncode == 0, p.stderr
     assert "one optimizer step: 1 host syncs {'tolist': 1}" in p.stdout and p.stdout.rstrip().endswith(
         " 11 collectives"), p.stdout

@@ -12,8 +12,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ import data
 from conftest import run_module
 from flt import authors, checkpoint, corpus
 from test_model import greedy_by_full_forward
+from test_train import python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 258  # the test tokenizer: 256 bytes, <|endoftext|>, <|im_start|> (their document token)
 EPS32 = torch.finfo(torch.float32).eps
 # Their config for the tests: a tiny model; each case overrides model_type, K and the attention.
@@ -287,10 +285,8 @@ def test_the_command_and_eval_py_open_it(tokenizer, tmp_path):
     assert "model_type 'LT_ia' -> variant 'LT_ai'" in out
     assert "note: window_pattern 'SSL' with MLA" in out
     assert "unused here (their training only): loss_type='END', dropout=0.01" in out
-    p = subprocess.run([sys.executable, "eval.py", str(tmp_path / "run"), "--modes=sample",
-                        "--loops=1,3", "--sample_tokens=4", "--device=cpu"], cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=120)
+    p = python("eval.py", str(tmp_path / "run"), "--modes=sample", "--loops=1,3", "--sample_tokens=4",
+               "--device=cpu", timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "LT_ai, trained at K=3" in p.stdout and "---- sample at K=3 " in p.stdout
 

@@ -430,7 +430,7 @@ def _distributed_worker(rank, world_size, init_file, out_dir):
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
-    mp.spawn(_distributed_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    mp.start_processes(_distributed_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, start_method="forkserver")
     return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 

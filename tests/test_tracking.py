@@ -3,14 +3,11 @@ history and config, a resume continuing the same run id, eval.py's results in th
 without wandb, a clear error, while the default run never imports it."""
 import glob
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from test_train import ROOT, losses, python, runner, train
+from test_train import losses, python, runner, train
 from flt import tracking
 
 wandb = pytest.importorskip("wandb")  # optional for users; .ci/run installs requirements/wandb.txt
@@ -113,7 +110,8 @@ def test_without_wandb_the_setting_is_a_clear_error_and_the_default_never_import
     """)
     train(tmp_path / "plain", data_dir, "--num_steps=1", "--sample_tokens=0", script=runner(tmp_path, watch))
     assert mark.read_text() == "False"
-    p = subprocess.run([sys.executable, "-c", NO_WANDB + "import runpy; sys.argv = ['eval.py', 'nowhere', '--wandb=True']; "
-                        "runpy.run_path('eval.py', run_name='__main__')"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    script = tmp_path / "eval_without_wandb.py"
+    script.write_text(NO_WANDB + "import runpy\nsys.argv[0] = 'eval.py'\n"
+                      "runpy.run_path('eval.py', run_name='__main__')\n")
+    p = python(str(script), "nowhere", "--wandb=True")
     assert p.returncode == 1 and "ValueError: --wandb=True needs the wandb package" in p.stderr, p.stderr[-2000:]

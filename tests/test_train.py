@@ -1,14 +1,12 @@
 """train.py end to end on CPU, tiny shapes: the wiring of its settings checks, learning, exact
-resume, 2-process torchrun (gloo), and the NaN guard. Each run is a process of its own: torchrun's
-a real subprocess, the others forked from one that has imported torch (tests/forkserver.py) (the
-settings checks themselves: tests/test_planning.py)."""
+resume, 2-process torchrun (gloo), and the NaN guard. Each run is a process of its own, forked from
+one that has imported torch (tests/forkserver.py); torchrun's ranks are new interpreters, as torchrun
+starts them (the settings checks themselves: tests/test_planning.py)."""
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -32,18 +30,15 @@ def python(*argv, timeout=300):
     return forkserver.run(argv, ROOT, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout)
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def train(out_dir, data_dir, *args, script="train.py", nproc=1, check=True, torchrun=TORCHRUN):
-    """train.py (or a runner script) with TINY + args; out_dir None: train.py derives it (out_root)."""
+def train(out_dir, data_dir, *args, script="train.py", nproc=1, check=True, torchrun=("-m", "torch.distributed.run")):
+    """train.py (or a runner script) with TINY + args; out_dir None: train.py derives it (out_root).
+    nproc > 1: `python -m torch.distributed.run --standalone` (or the torchrun program given), its agent
+    forked as well; the ranks it starts are new interpreters, `python script`, as torchrun starts them."""
     args = TINY + ([f"--out_dir={out_dir}"] if out_dir is not None else []) + [f"--data_dir={data_dir}", *args]
     if nproc == 1:
         p = python(script, *args)
     else:
-        p = subprocess.run([*torchrun, "--standalone", f"--nproc_per_node={nproc}", script, *args], cwd=ROOT,
-                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True, text=True,
-                           timeout=300)
+        p = python(*torchrun, "--standalone", f"--nproc_per_node={nproc}", script, *args)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -424,13 +419,13 @@ def test_unwritable_out_dir_is_found_before_training(tmp_path, data_dir):
 
 # torchrun with a 2 s wait between a worker's SIGTERM and its SIGKILL, instead of the 30 s with which
 # torch closes the workers once one has failed (its --shutdown_timeout does not reach that path).
-TORCHRUN_QUICK_KILL = [sys.executable, "-c", textwrap.dedent("""
+TORCHRUN_QUICK_KILL = textwrap.dedent("""
     from torch.distributed.elastic.multiprocessing.api import PContext
     from torch.distributed.run import main
     close = PContext.close
     PContext.close = lambda self, death_sig=None, timeout=30: close(self, death_sig, min(timeout, 2))
     main()
-""")]
+""")
 
 
 def test_hung_rank_ends_the_job_after_dist_timeout(tmp_path, data_dir):
@@ -443,10 +438,11 @@ def test_hung_rank_ends_the_job_after_dist_timeout(tmp_path, data_dir):
                 return nxt(self)
             data.DataLoader.__next__ = hang
     """)
+    quick_kill = tmp_path / "torchrun_quick_kill.py"
+    quick_kill.write_text(TORCHRUN_QUICK_KILL)
     t0 = time.time()
     p = train(tmp_path / "hang", data_dir, "--num_steps=4", "--total_batch_size=256", "--dist_timeout=5",
-              script=runner(tmp_path, patch), nproc=2, check=False,
-              torchrun=TORCHRUN_QUICK_KILL)
+              script=runner(tmp_path, patch), nproc=2, check=False, torchrun=[str(quick_kill)])
     # rank 0 waits 5 s (dist_timeout) for rank 1 in a collective, gives up with gloo's timeout error,
     # and torchrun ends the job: rank 1, still asleep, is killed long before its 120 s are over (its
     # SIGTERM only asks for a checkpoint after the step, cluster.py: SIGKILL follows, after torchrun's
