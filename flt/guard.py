@@ -139,4 +139,4 @@ def restore_ranks(rt, ckpt_path, meta, optimizers):
     states = checkpoint.load_rank_states(ckpt_path, meta, rt.rank, rt.world, rt.device)
     loader_state, monitor = checkpoint.restore_rank_state(states, optimizers, rt.rank,
                                                           rt.device_type == "cuda")
-    return loader_state, monitor, len(states)
+    return loader_state, monitor, checkpoint.saved_world(ckpt_path, meta)

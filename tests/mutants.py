@@ -57,7 +57,7 @@ MUTANTS = [
     ("train.py", "model.zero_grad(set_to_none=True)", "pass", RECIPE),
     ("train.py", "truncated_bptt = None if bptt_loops == -1 else bptt_loops", "truncated_bptt = None", RECIPE),
     ("train.py", "loss, looped = model(x, y, loops=K,", "loss, looped = model(x, y, loops=loops,",
-     ["tests/test_cluster.py::test_sigterm_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75"]),
+     ["tests/test_variable_loops.py::test_sampled_loops_same_on_every_rank_and_after_resume"]),
     ("train.py", "flops_per_token = model.estimate_flops(K, truncated_bptt)", "flops_per_token = model.estimate_flops()",
      RECIPE),
     ("train.py", "if step > start_step and (step % save_interval == 0",
