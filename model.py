@@ -7,8 +7,8 @@ at high K. The paper's fix, FLT, restarts every loop from the normalised embeddi
 lets the previous loop steer each layer's attention (queries from its output, keys/values from
 the current stream), so what a loop reads is bounded by softmax. Read top to bottom: config,
 norm/RoPE, attention, MLP, block, the two variant choices, how a call runs its loops (LoopRun),
-the model. GPT.loop_states is the loop; decoding's KV cache, the exit rule, LoopSpan (which loops
-a call runs) and drafting are in flt/decoding.py.
+the model. GPT.loop_states is the loop; decoding's KV cache, the exit rule and LoopSpan (which
+loops a call runs) are in flt/decoding.py, drafting with fewer loops in flt/drafting.py.
 
 Five variants, two choices, one loop body (GPT.loop_states); for loop t >= 2:
   restart(variant, e, x0, h_prev)  its start: h_prev (LT), norm(e + h_prev) (LT_i), x0 = norm(e)
@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:
-    from flt.decoding import ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
-    from flt.decoding import Decoder, check_draft, choose, draft_and_verify
+    from flt.decoding import Decoder, ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
+    from flt.drafting import check_draft, choose, draft_and_verify
 except ImportError:
-    # a Hugging Face export (scripts/export_hf.py) has decoding.py beside model.py
-    from .decoding import ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
-    from .decoding import Decoder, check_draft, choose, draft_and_verify
+    # a Hugging Face export (scripts/export_hf.py) has decoding.py and drafting.py beside model.py
+    from .decoding import Decoder, ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
+    from .drafting import check_draft, choose, draft_and_verify
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
@@ -395,7 +395,7 @@ class GPT(nn.Module):
         its m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states).
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
-        all K (flt/decoding.py): the same tokens, or at a temperature the same distribution.
+        all K (flt/drafting.py): the same tokens, or at a temperature the same distribution.
         decode: the steps' path (flt/decoding.py: Decoder), "eager", "static" (one shape a step)
         or "compiled" (on CUDA captured as CUDA graphs); None: compiled on CUDA, else eager."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:

@@ -8,10 +8,10 @@ and a script's settings (usage), the one-line error for a user's mistake (errors
 the authors' code read into this format (authors). hf_remote/ is the transformers wrapper a Hugging
 Face export ships.
 
-A reader of the paper needs none of it. Two modules go beyond the paper and are worth reading:
-decoding's KV cache of loop slots, the exit rule and drafting with fewer loops (decoding), which
-model.py's loop and generate call; and the synthetic reasoning tasks whose difficulty is depth
-(tasks), which train.py trains on and eval.py's tasks mode scores.
+A reader of the paper needs none of it. Three modules go beyond the paper and are worth
+reading: decoding's KV cache of loop slots and the exit rule (decoding), which model.py's loop
+calls; drafting with fewer loops (drafting), which generate calls; and the synthetic reasoning tasks
+whose difficulty is depth (tasks), which train.py trains on and eval.py's tasks mode scores.
 
 The user scripts built on it are in scripts/: bench (speed and memory), gpu_check (the recipe on
 one GPU), torchrun_check (the headline torchrun command on the machine at hand), zero_check

@@ -1,8 +1,9 @@
 """Support for model.py's loop: the attention mask, decoding's KV cache of loop slots (and its
 static twin, one shape a step), the exit rule (depth per token), which loops a call runs
-(LoopSpan), generate's decode step (eager, static or compiled), drafting with fewer loops, and the
-checks of their settings, each written once. A reader of the loop (model.py: GPT.loop_states)
-meets each as one name; their bookkeeping lives here.
+(LoopSpan), generate's decode step (eager, static or compiled), and the checks of their settings,
+each written once. A reader of the loop (model.py: GPT.loop_states) meets each as one name; their
+bookkeeping lives here. Drafting with fewer loops, built on LoopSpan and the decode step, is
+flt/drafting.py.
 
     mask = attention_mask(n_q, n_k, pos, window, device)  # True = visible (causal, window, padding)
     cache = KVCache(B, K, config)                         # keys/values per (loop slot, layer)
@@ -11,7 +12,6 @@ meets each as one name; their bookkeeping lives here.
     exits = ExitRule(threshold, idx, head, cache)         # Huginn's KL exit, per position
     stop = exits.update(hs)                               # after each loop: True once all exited
     span = LoopSpan(K, start=K_d, h_start=h)              # loops K_d+1..K, from h(K_d)
-    check_draft(K, draft_loops, draft_len)                # a ValueError naming the bad setting
 
 This file needs torch alone: scripts/export_hf.py copies it beside model.py into a Hugging Face
 folder, where model.py imports it as `.decoding`."""
@@ -379,129 +379,3 @@ class Decoder:
         out = COMPILED[self.device_type](self.model, tokens, span, self.cache)
         # a captured graph's outputs live in its memory pool, overwritten by its next replay
         return Step(out.h.clone(), out.logits.clone()) if captured else out
-
-
-# ---------------------------------------------------------------------------- drafting with fewer loops
-# Self-speculative decoding. Loop t reads only loops 1..t-1 and the cache's slots up to t, so the
-# first K_d loops of a K-loop forward are a K_d-loop forward, keys and values included: a token
-# is drafted with loops 1..K_d, and draft_len drafted tokens are verified at once by loops
-# K_d+1..K, continued from their h(K_d) (GPT.loop_states with a LoopSpan). No loop runs twice.
-
-def token_probs(logits, temperature, top_k=None):
-    """The distribution a token is sampled from: softmax(logits / temperature), top_k kept."""
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return F.softmax(logits, dim=-1)
-
-
-def choose(logits, temperature, top_k, rng):
-    """The next token (B, 1) from (B, V) logits: the argmax at temperature 0, else a sample."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    return torch.multinomial(token_probs(logits, temperature, top_k), 1, generator=rng)
-
-
-def acceptance(p, q, draft):
-    """Speculative sampling's rule (Leviathan et al. 2023; Chen et al. 2023): a token drafted
-    from q is kept with probability min(1, p / q) at it, p the target distribution; (N,)."""
-    at = draft[:, None]
-    return (p.gather(-1, at) / q.gather(-1, at)).clamp(max=1)[:, 0]
-
-
-def residual(p, q):
-    """What a rejected draft is replaced by: max(0, p - q), normalised (p where p = q)."""
-    r = (p - q).clamp(min=0)
-    return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
-
-
-def accept(p, q, draft, rng):
-    """(kept (N,), token (N,)): each row's draft, or a sample of the residual where rejected.
-    The token is distributed as p, whatever q (tests/test_speculative.py enumerates it)."""
-    kept = torch.rand(draft.shape, generator=rng, device=draft.device) < acceptance(p, q, draft)
-    resampled = torch.multinomial(residual(p, q), 1, generator=rng)[:, 0]
-    return kept, torch.where(kept, draft, resampled)
-
-
-def check_draft(K, draft_loops, draft_len, cache_slots=None, exit_threshold=None, prefix=""):
-    """A ValueError unless drafting with draft_loops = K_d of K loops can run, naming only the
-    settings that refuse it and the true bound: 1 <= K_d <= K - 1, so K_d loops need K >= K_d + 1;
-    draft_len >= 1; the exact cache (cache_slots None or K); no exit rule. prefix: "" for
-    generate()'s keyword arguments, "--" for command-line settings (eval.py)."""
-    drafts = f"{prefix}draft_loops={draft_loops!r}"
-    # the true bound, 1 <= K_d <= K - 1
-    if not isinstance(draft_loops, int) or not 1 <= draft_loops < K:
-        allowed = f"an integer from 1 to {K - 1}" if K > 1 else "none: K=1 has no fewer loops"
-        raise ValueError(f"{drafts}: the draft runs fewer loops than K={K}, so K_d loops need "
-                         f"K >= K_d + 1; allowed: {allowed}")
-    if not isinstance(draft_len, int) or draft_len < 1:
-        raise ValueError(f"{prefix}draft_len={draft_len!r}: expected an integer >= 1, the tokens "
-                         "drafted a round")
-    if cache_slots not in (None, K):
-        raise ValueError(f"{prefix}cache_slots={cache_slots!r} with {drafts}: drafting needs the "
-                         f"exact cache ({prefix}cache_slots={K} or None), where loop t's keys are "
-                         "loop t's own")
-    if exit_threshold is not None:
-        raise ValueError(f"{prefix}exit_threshold={exit_threshold!r} with {drafts}: a token's "
-                         "depth is either drafted and verified, or chosen by the exit rule; use one "
-                         "of the two")
-
-
-def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temperature=0.0,
-                     top_k=None, rng=None, attention_mask=None, stats=None, decode=None):
-    """Yield (B, n) tokens, n >= 1 per round, max_new_tokens in all: those of K-loop decoding
-    (greedy: the same tokens; sampling: the same distribution). A round drafts up to draft_len
-    tokens with loops 1..K_d, verifies them with loops K_d+1..K in one forward, keeps the
-    longest prefix every row confirms, and ends with the K-loop model's own token. The cache
-    is rewound past the rest: its entries there are overwritten before any query reads them.
-    decode: the steps' path (Decoder). stats (a dict): rounds, drafted and accepted tokens per
-    row, and the cache."""
-    K_d, B = draft_loops, idx.size(0)
-    step = Decoder(model, idx, K, decode, attention_mask)
-    cache = step.cache
-    counts = {} if stats is None else stats
-    counts.update(rounds=0, drafted=0, accepted=0, cache=cache)
-    token = choose(model(idx, loops=K, kv_cache=cache)[:, -1], temperature, top_k, rng)
-    yield token
-    done = 1
-    while done < max_new_tokens:
-        # the cache holds the prompt and every emitted token but the last (counted on the host)
-        start, n = idx.size(1) + done - 1, min(draft_len, max_new_tokens - done)
-        # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
-        fed, states, drafts, q = [token], [], [], []
-        for i in range(n):
-            h, logits = step(fed[-1], LoopSpan(K, stop=K_d))
-            states.append(h)
-            logits = logits[:, -1]
-            drafts.append(choose(logits, temperature, top_k, rng))
-            if temperature:
-                q.append(token_probs(logits, temperature, top_k))
-            if i + 1 < n:
-                fed.append(drafts[-1])
-        # the verification: loops K_d+1..K of the n fed tokens in one forward, at their positions
-        cache.pos = start
-        rest = LoopSpan(K, start=K_d, h_start=torch.cat(states, 1))
-        # a shorter last round runs uncompiled: its shape would be another graph
-        logits = step(torch.cat(fed, 1), rest, eager=n < draft_len).logits
-        drafts = torch.cat(drafts, 1)
-        if temperature == 0:
-            tokens = logits.argmax(-1)
-            kept = tokens == drafts
-        else:
-            p = token_probs(logits, temperature, top_k).flatten(0, 1)
-            kept, tokens = accept(p, torch.stack(q, 1).flatten(0, 1), drafts.flatten(), rng)
-            kept, tokens = kept.view(B, n), tokens.view(B, n)
-        # every row keeps the prefix that all rows confirm, then the K-loop model's next token
-        confirmed = kept.int().cumprod(1).sum(1)
-        # the round's one host read: the prefix every row confirms, and the rows' mean (stats)
-        least, mean = torch.stack([confirmed.min().float(), confirmed.float().mean()]).tolist()
-        m = int(least)
-        emitted = tokens[:, :min(m + 1, n)]
-        cache.pos = start + emitted.size(1)
-        token = emitted[:, -1:]
-        counts["rounds"] += 1
-        counts["drafted"] += n
-        counts["accepted"] += mean
-        done += emitted.size(1)
-        yield emitted

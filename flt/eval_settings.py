@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 from configurator import configure
 from flt import errors, tasks, tracking
-from flt.decoding import check_cache_slots, check_draft
+from flt.decoding import check_cache_slots
+from flt.drafting import check_draft
 from flt.modes import PLANS
 from flt.runtime import dtype_bytes
 
@@ -122,7 +123,7 @@ def check_read(settings, defaults, run_modes):
 
 def check_sampling(settings, defaults, loops_list):
     """The sample mode's settings: a temperature >= 0, a seed only when sampling, the cache's loop
-    slots (at most the smallest K), and drafting (decoding.check_draft) at each K above draft_loops,
+    slots (at most the smallest K), and drafting (drafting.check_draft) at each K above draft_loops,
     of which there must be one: the other K decode without drafting."""
     if settings.temperature < 0:
         raise ValueError(f"--temperature={settings.temperature!r}: expected 0 (greedy) or a positive "

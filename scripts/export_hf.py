@@ -16,6 +16,7 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     modeling_flt.py, configuration_flt.py   the transformers wrapper (flt/hf_remote/), around
     model.py                 this repository's model.py itself, imported by the wrapper
     decoding.py              flt/decoding.py, model.py's KV cache and exit rule, which it imports
+    drafting.py              flt/drafting.py, generate's token choice and drafting, which it imports
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
 """
@@ -36,7 +37,8 @@ from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE = [os.path.join(ROOT, "flt", "hf_remote", name) for name in ("configuration_flt.py", "modeling_flt.py")]
-CODE += [os.path.join(ROOT, "model.py"), os.path.join(ROOT, "flt", "decoding.py")]
+CODE += [os.path.join(ROOT, "model.py")]
+CODE += [os.path.join(ROOT, "flt", name) for name in ("decoding.py", "drafting.py")]
 AUTO_MAP = {"AutoConfig": "configuration_flt.FLTConfig", "AutoModelForCausalLM": "modeling_flt.FLTForCausalLM"}
 
 

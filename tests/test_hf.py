@@ -40,7 +40,8 @@ from test_padded_generate import left_padded  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-         "modeling_flt.py", "configuration_flt.py", "model.py", "decoding.py", "run.json"}
+         "modeling_flt.py", "configuration_flt.py", "model.py", "decoding.py", "drafting.py",
+         "run.json"}
 TEXTS = ["The function returns", "If the optional argument is given, the list", "Import"]
 
 
@@ -116,8 +117,9 @@ def test_the_folder_holds_config_weights_tokenizer_and_code(run, exported):
     assert config["auto_map"] == {"AutoConfig": "configuration_flt.FLTConfig",
                                   "AutoModelForCausalLM": "modeling_flt.FLTForCausalLM"}
     assert open(os.path.join(exported, "model.py")).read() == open(os.path.join(ROOT, "model.py")).read()
-    copied = open(os.path.join(exported, "decoding.py")).read()
-    assert copied == open(os.path.join(ROOT, "flt", "decoding.py")).read()
+    for name in ("decoding.py", "drafting.py"):
+        copied = open(os.path.join(exported, name)).read()
+        assert copied == open(os.path.join(ROOT, "flt", name)).read()
     assert "from .model import" in open(os.path.join(exported, "modeling_flt.py")).read()  # not a second copy
     ours = checkpoint.load_model(exported)[1]
     assert ours["step"] == meta["step"] and ours["settings"] == meta["settings"]
