@@ -114,35 +114,35 @@ def byte_counts(token_bytes, y):
     return torch.where(y >= 0, token_bytes.to(y.device)[y.clamp(min=0)], 0)
 
 
-def masked_sums(values, weight):
-    """[the sum of each (B, T) value over the targets of weight > 0, ..., the weight's sum]."""
-    return torch.stack([v[weight > 0].sum() for v in values] + [weight.sum()]).double()
-
-
 def evaluate_bpb(model, batches, tables, loops_list, progress=None):
     """({count: {K: bits per byte}}, targets scored) over (x, y) batches, for each byte table of
     `tables` ({name: (vocab,) bytes of each id}), as nanochat's evaluate_bpb: the targets' losses
     in nats / (ln 2 * their bytes), targets of 0 bytes out of both sums. All-reduced: under
     torchrun each rank passes its own share."""
     device = next(model.parameters()).device
-    # a row per byte table, then one over every target; a column per K, then the bytes (targets)
-    sums = torch.zeros(len(tables) + 1, len(loops_list) + 1, dtype=torch.float64, device=device)
+    f64 = dict(dtype=torch.float64, device=device)
+    # per byte table: each K's nats over the targets that have bytes, and those bytes
+    nats = torch.zeros(len(tables), len(loops_list), **f64)
+    n_bytes = torch.zeros(len(tables), **f64)
+    # every target scored (y >= 0), for the caller's count
+    n_tokens = torch.zeros((), **f64)
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         # the budget sweep: each K's token losses, (B, T), from one forward at max(loops_list)
         losses = [loss for loss, _ in loop_losses(model, x, y, loops_list).values()]
         for i, token_bytes in enumerate(tables.values()):
-            sums[i] += masked_sums(losses, byte_counts(token_bytes, y))
-        sums[-1] += masked_sums(losses, (y >= 0).long())
+            counts = byte_counts(token_bytes, y)
+            # a target of 0 bytes (a special token) is out of both sums
+            nats[i] += torch.stack([loss[counts > 0].sum() for loss in losses]).double()
+            n_bytes[i] += counts.sum()
+        n_tokens += (y >= 0).sum()
         if progress:
             progress()
-    runtime.all_reduce_sum(sums)
-    *per_table, (*_, n_tokens) = sums.tolist()
-    if any(s[-1] == 0 for s in per_table):
+    runtime.all_reduce_sum(nats, n_bytes, n_tokens)
+    if (n_bytes == 0).any():
         raise ValueError("evaluate_bpb: the batches hold no target tokens with a byte count > 0")
-    bpb = {}
-    for name, (*nats, n_bytes) in zip(tables, per_table):
-        bpb[name] = {K: s / (math.log(2) * n_bytes) for K, s in zip(loops_list, nats)}
+    bits = nats / (math.log(2) * n_bytes[:, None])
+    bpb = {name: dict(zip(loops_list, row)) for name, row in zip(tables, bits.tolist())}
     return bpb, int(n_tokens)
 
 
@@ -152,28 +152,31 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
     token, with the KL exit rule at each threshold and at most `loops` loops. One forward per
     threshold: where a token exits changes the tokens after it."""
     device = next(model.parameters()).device
-    # rows: weighed by bytes, then by scored tokens; columns: each threshold's losses and loops
-    sums = torch.zeros(2, 2 * len(thresholds) + 1, dtype=torch.float64, device=device)
+    f64 = dict(dtype=torch.float64, device=device)
+    # per threshold: the nats and the loops run over the targets that have bytes
+    nats = torch.zeros(len(thresholds), **f64)
+    loops_run = torch.zeros(len(thresholds), **f64)
+    # those targets' bytes, and how many they are
+    n_bytes = torch.zeros((), **f64)
+    n_tokens = torch.zeros((), **f64)
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        values = []
-        for threshold in thresholds:
+        counts = byte_counts(token_bytes, y)
+        for i, threshold in enumerate(thresholds):
             logits, looped = model(x, loops=loops, exit_threshold=threshold, return_loops=True)
-            values += [token_losses(logits, y), looped.exit_loops]
+            nats[i] += token_losses(logits, y)[counts > 0].sum().double()
+            loops_run[i] += looped.exit_loops[counts > 0].sum().double()
             if progress:
                 progress()
-        n_bytes = byte_counts(token_bytes, y)
-        sums[0] += masked_sums(values, n_bytes)
-        sums[1] += masked_sums(values, (n_bytes > 0).long())
-    runtime.all_reduce_sum(sums)
-    (*per_threshold, n_bytes), (*_, n_tokens) = sums.tolist()
+        n_bytes += counts.sum()
+        n_tokens += (counts > 0).sum()
+    runtime.all_reduce_sum(nats, loops_run, n_bytes, n_tokens)
     if n_bytes == 0:
         raise ValueError("evaluate_exit: the batches hold no target tokens with a byte count > 0")
-    curve = []
-    for t, nats, used in zip(thresholds, per_threshold[::2], per_threshold[1::2]):
-        curve.append({"threshold": t, "val_bpb": nats / (math.log(2) * n_bytes),
-                      "mean_loops": used / n_tokens})
-    return curve
+    bits = nats / (math.log(2) * n_bytes)
+    mean_loops = loops_run / n_tokens
+    return [{"threshold": t, "val_bpb": b, "mean_loops": m}
+            for t, b, m in zip(thresholds, bits.tolist(), mean_loops.tolist())]
 
 
 # ----------------------------------------------------------------------------- reasoning tasks
@@ -184,19 +187,21 @@ def evaluate_tasks(model, batches, levels, loops_list, progress=None):
     (targets >= 0) of each difficulty in `levels` whose argmax is right, every K from one forward.
     All-reduced."""
     device = next(model.parameters()).device
-    # per K: the right answers at each difficulty; the last row: the answers of each difficulty
-    sums = torch.zeros(len(loops_list) + 1, max(levels) + 1, dtype=torch.float64, device=device)
+    # per K, the right answers at each difficulty; and the answers at each difficulty
+    n = max(levels) + 1
+    right = torch.zeros(len(loops_list), n, dtype=torch.float64, device=device)
+    answers = torch.zeros(n, dtype=torch.float64, device=device)
     for x, y, d in batches:
         x, y, d = x.to(device), y.to(device), d.to(device)
         scored = y >= 0
         for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list).values()):
-            right = (pred == y)[scored].double()
-            sums[i] += torch.bincount(d[scored], weights=right, minlength=sums.shape[1])
-        sums[-1] += torch.bincount(d[scored], minlength=sums.shape[1])
+            is_right = (pred == y)[scored].double()
+            right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)
+        answers += torch.bincount(d[scored], minlength=n)
         if progress:
             progress()
-    runtime.all_reduce_sum(sums)
-    *right, answers = sums.tolist()
+    runtime.all_reduce_sum(right, answers)
+    right, answers = right.tolist(), answers.tolist()
     accuracy = {K: {d: r[d] / answers[d] for d in levels} for K, r in zip(loops_list, right)}
     overall = {K: sum(r) / sum(answers) for K, r in zip(loops_list, right)}
     return accuracy, overall, {d: int(answers[d]) for d in levels}
@@ -209,18 +214,19 @@ def evaluate_ppl(model, windows, loops_list, batch_size, progress=None):
     device = next(model.parameters()).device
     rank, world = runtime.rank_world()
     mine = torch.tensor(windows[rank::world], dtype=torch.long).view(-1, len(windows[0]))
-    # a column per K, then the targets
-    sums = torch.zeros(len(loops_list) + 1, dtype=torch.float64, device=device)
+    # each K's summed NLL, and the targets
+    nll = torch.zeros(len(loops_list), dtype=torch.float64, device=device)
+    n_targets = torch.zeros((), dtype=torch.float64, device=device)
     for w in mine.split(batch_size):
         x, y = w[:, :-1].to(device), w[:, 1:].to(device)
         # the budget sweep, as for bits per byte
         losses = [loss for loss, _ in loop_losses(model, x, y, loops_list).values()]
-        sums += masked_sums(losses, torch.ones_like(y))
+        nll += torch.stack([loss.sum() for loss in losses]).double()
+        n_targets += y.numel()
         if progress:
             progress()
-    runtime.all_reduce_sum(sums)
-    *nll, n_targets = sums.tolist()
-    return {K: math.exp(s / n_targets) for K, s in zip(loops_list, nll)}
+    runtime.all_reduce_sum(nll, n_targets)
+    return {K: math.exp(s) for K, s in zip(loops_list, (nll / n_targets).tolist())}
 
 
 # ----------------------------------------------------------------------------- CORE

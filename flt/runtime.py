@@ -117,10 +117,18 @@ def to_host(**tensors):
     return out
 
 
-def all_reduce_sum(t):
-    """Sum t over the process group's ranks, in place; nothing without one."""
-    if rank_world()[1] > 1:
-        dist.all_reduce(t)
+def all_reduce_sum(*tensors):
+    """Sum each tensor over the process group's ranks, in place, in one collective (several are
+    flattened into one float64 buffer and copied back); nothing without a group."""
+    if rank_world()[1] == 1:
+        return
+    if len(tensors) == 1:
+        dist.all_reduce(tensors[0])
+        return
+    flat = torch.cat([t.reshape(-1).double() for t in tensors])
+    dist.all_reduce(flat)
+    for t, summed in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(summed.view(t.shape))
 
 
 def rank0_first(rt, fetch):

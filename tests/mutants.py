@@ -25,6 +25,7 @@ LOOP_CACHE = ["tests/test_loop_cache.py"]
 SPECULATIVE = ["tests/test_speculative.py"]
 STATIC = ["tests/test_static_decode.py"]
 TASKS = ["tests/test_tasks.py"]
+EVAL = ["tests/test_eval.py"]
 
 # (file, the line's text, the slip, the tests that pin it)
 MUTANTS = [
@@ -176,8 +177,18 @@ MUTANTS = [
      "rhs = roots[j] if h == 0 else names[j, 0]", TASKS),
     ("eval.py", "for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list).values()):",
      "for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list[-1:]).values()):", TASKS),
-    ("eval.py", "sums[-1] += torch.bincount(d[scored], minlength=sums.shape[1])",
-     "sums[-1] += torch.bincount(d[scored].clamp(max=1), minlength=sums.shape[1])", TASKS),
+    ("eval.py", "answers += torch.bincount(d[scored], minlength=n)",
+     "answers += torch.bincount(d[scored].clamp(max=1), minlength=n)", TASKS),
+    # eval.py: bits per byte (nats over the bytes of the targets that have bytes)
+    ("eval.py", "nats[i] += torch.stack([loss[counts > 0].sum() for loss in losses]).double()",
+     "nats[i] += torch.stack([loss[counts >= 0].sum() for loss in losses]).double()", EVAL),
+    ("eval.py", "n_bytes[i] += counts.sum()", "n_bytes[i] += (counts > 0).sum()", EVAL),
+    ("eval.py", "bits = nats / (math.log(2) * n_bytes[:, None])", "bits = nats / n_bytes[:, None]", EVAL),
+    # eval.py: the exit rule's curve, the perplexity
+    ("eval.py", "loops_run[i] += looped.exit_loops[counts > 0].sum().double()",
+     "loops_run[i] += looped.exit_loops.sum().double()",
+     ["tests/test_variable_loops.py::test_exit_curve_counts_loops_and_nats_of_the_targets_with_bytes"]),
+    ("eval.py", "n_targets += y.numel()", "n_targets += y.size(0)", EVAL),
 ]
 
 

@@ -2,6 +2,7 @@
 sampled K per step (same on every rank, same after a resume), truncated backpropagation through
 the last bptt_loops loops, its FLOP count, and the KL exit rule with its KV cache."""
 import json
+import math
 import os
 import re
 import shutil
@@ -237,6 +238,35 @@ def test_evaluate_exit_spans_k2_to_kmax():
     assert curve[0]["mean_loops"] == 5 and curve[1]["mean_loops"] == 2
     assert curve[0]["val_bpb"] == pytest.approx(fixed[5], rel=1e-9)
     assert curve[1]["val_bpb"] == pytest.approx(fixed[2], rel=1e-9)
+
+
+def test_exit_curve_counts_loops_and_nats_of_the_targets_with_bytes():
+    """At a threshold between the extremes positions exit at different loops; the curve's
+    mean_loops and bpb are those of a hand count over the targets with bytes (0-byte and ignored
+    targets out of both), from the model's own exit_loops and logits."""
+    import eval as evaluation
+    model = make_model("FLT").double()
+    token_bytes = torch.randint(0, 4, (model.config.vocab_size,), generator=torch.Generator().manual_seed(3))
+    batches = [(random_tokens(2, 16, seed=s), random_tokens(2, 16, seed=s + 50)) for s in range(3)]
+    batches[0][1][0, :5] = -1
+    # a threshold at the median KL between loops 1 and 2 splits the positions
+    hs = model.loop_states(batches[0][0], 2).states
+    logp = [F.log_softmax(model.head(h), dim=-1) for h in hs]
+    threshold = F.kl_div(logp[1], logp[0], log_target=True, reduction="none").sum(-1).median().item()
+    nats = n_bytes = loops_run = n_tokens = 0.0
+    for x, y in batches:
+        logits, looped = model(x, loops=5, exit_threshold=threshold, return_loops=True)
+        counts = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+        losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+        nats += losses[counts.flatten() > 0].sum().item()
+        n_bytes += counts.sum().item()
+        loops_run += looped.exit_loops[counts > 0].sum().item()
+        n_tokens += (counts > 0).sum().item()
+        spread = looped.exit_loops.unique()
+    assert len(spread) > 1
+    (point,) = evaluation.evaluate_exit(model, batches, token_bytes, 5, [threshold])
+    assert point["mean_loops"] == pytest.approx(loops_run / n_tokens, rel=1e-12)
+    assert point["val_bpb"] == pytest.approx(nats / (math.log(2) * n_bytes), rel=1e-9)
 
 
 def test_plot_exit_draws_both_curves_per_run(tmp_path):
