@@ -46,7 +46,8 @@ from optim import build_optimizers
 
 device = "cuda"             # cuda | cuda:N; cpu only with --tiny
 tiny = False                # every part at a tiny size: what the test suite runs on CPU
-compile = "on"              # on | off: torch.compile of the blocks (train.py's compile_regions)
+compile = "on"              # on | off: torch.compile of the blocks (train.py's compile_regions), and
+                            # decode's captured step (off: the static step uncompiled)
 parts = "quickstart,base,decode,numerics"
 data_dir = "data"           # quickstart, numerics: the embedded corpus and its BPE (train.py builds them)
 authors_dir = "authors"     # base: a folder holding the authors' nanochat/ (gpt.py and what it imports)
@@ -56,7 +57,7 @@ out = ""                    # the JSON file; "" = gpu_check.json in the work fol
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("quickstart", "base", "decode", "numerics")
 # The parts that read each setting; one off its default that no part asked for reads would do nothing
-READ_BY = {"compile": ("quickstart", "base"), "data_dir": ("quickstart", "numerics"),
+READ_BY = {"compile": ("quickstart", "base", "decode"), "data_dir": ("quickstart", "numerics"),
            "authors_dir": ("base",), "batch_size": ("base",), "steps": ("base",)}
 # The CPU fp32 quick start's final val bpb (README; `python train.py --loops=3 --device=cpu`)
 QUICKSTART_BPB = 1.9765
