@@ -23,7 +23,7 @@ from flt.runtime import atomic_write
 # the document token prefixed to every document, the local BPE's (Qwen3's id 151643); the
 # paper's Qwen3 runs use <|im_start|> (config/paper.py's bos_token)
 BOS = "<|endoftext|>"
-# ids in Qwen3's tokenizer.json: 151643 BPE + 26 added (151644..151668); train.py --dry_run
+# ids in Qwen3's tokenizer.json, 151643 BPE + 26 added (151643..151668): train.py --dry_run's
 QWEN3_VOCAB = 151669
 # the paper authors' document token with the Qwen3 tokenizer (id 151644)
 QWEN3_BOS = "<|im_start|>"

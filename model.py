@@ -49,7 +49,7 @@ class GPTConfig:
     tiled over the layers. loss_all_loops: train on the mean loss of every loop, not only the
     last. checkpoint_loops: recompute each loop in backward (memory ~ one loop)."""
     sequence_len: int = 1024
-    vocab_size: int = 151644
+    vocab_size: int = 151669
     n_layer: int = 12
     n_head: int = 6
     n_kv_head: int = 6
@@ -342,7 +342,7 @@ class GPT(nn.Module):
         e = self.transformer.wte(idx)
         x0 = norm(e)
         hs, norms = [], []
-        # t counts from 0: t = 0 is the paper's loop 1
+        # t counts from 0 (t = 0: loop 1); h(t-1) is a span's h_start when it resumes a pass
         for t in span.loops():
             h_prev = hs[-1] if hs else span.h_start
             # truncated backprop: only the last bptt_loops loops learn
@@ -354,7 +354,7 @@ class GPT(nn.Module):
             # the residual stream's norm (Sec. 3, Fig. 2), then h(t) = norm(x)
             norms.append(x.detach().float().norm(dim=-1).mean())
             hs.append(norm(x))
-            # the exit rule (it keeps exited positions' h in hs): stop once none loops on
+            # the exit rule keeps exited positions' h in hs, and fills hs to K once none loops on
             if run.exits.update(hs):
                 break
         return run.finish(hs, norms)
@@ -395,7 +395,7 @@ class GPT(nn.Module):
         its m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states).
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
-        all K (flt/drafting.py): the same tokens, or at a temperature the same distribution.
+        loops K_d+1..K (flt/drafting.py): the same tokens, or sampling the same distribution.
         decode: the steps' path (flt/decoding.py: Decoder), "eager", "static" (one shape a step)
         or "compiled" (on CUDA captured as CUDA graphs); None: compiled on CUDA, else eager."""
         if idx.size(1) + max_new_tokens > self.config.sequence_len:

@@ -40,12 +40,11 @@ def collectives():
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
     """Approximately replace G = U S V^T by U V^T (the nearest semi-orthogonal matrix).
 
-    A quintic Newton-Schulz iteration X <- aX + b(XX^T)X + c(XX^T)^2 X maps each
-    singular value s of X to p(s) = as + bs^3 + cs^5 and leaves U, V untouched. The
-    coefficients (3.4445, -4.7750, 2.0315) make p very steep near 0, so five steps push
-    every singular value in (0, 1] into roughly [0.7, 1.2]: good enough for an update
-    direction, and much cheaper than an SVD. `dtype`: None = bf16 on CUDA (fast on tensor
-    cores), float32 elsewhere (CPU bf16 matmuls are slow; tests want accuracy).
+    A quintic Newton-Schulz iteration X <- aX + b(XX^T)X + c(XX^T)^2 X maps each singular
+    value s of X to p(s) = as + bs^3 + cs^5 and leaves U, V untouched. The coefficients
+    (3.4445, -4.7750, 2.0315) make p very steep near 0, so five steps push every singular value
+    in (0, 1] into roughly [0.7, 1.2]: good enough for an update direction, and much cheaper
+    than an SVD. `dtype`: None = bf16 on CUDA (fast on tensor cores), float32 elsewhere.
     """
     a, b, c = (3.4445, -4.7750, 2.0315)
     X = G.to(dtype or (torch.bfloat16 if G.is_cuda else torch.float32))
@@ -70,8 +69,8 @@ def muon_update(grad, momentum_buffer, momentum, ns_dtype=None):
     momentum_buffer.mul_(momentum).add_(grad)
     nesterov = grad.add(momentum_buffer, alpha=momentum)
     update = zeropower_via_newtonschulz5(nesterov, dtype=ns_dtype)
-    # An orthogonal update has unit singular values whatever the shape; for tall
-    # matrices (rows > cols) scale it up so its per-element size matches square ones.
+    # An orthogonal update has unit singular values whatever the shape; a tall matrix (rows >
+    # cols; weights are (out, in): the MLP's c_fc, 4d x d) is scaled up to match square ones.
     return update * max(1.0, grad.size(0) / grad.size(1)) ** 0.5
 
 
@@ -93,7 +92,8 @@ class _Sharded(torch.optim.Optimizer):
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self._reduced = None  # {param: this rank's piece of its averaged gradient}, until step()
-        self._pending = []    # async reduce-scatters; then (all-gather, its output, params)
+        self._scatters = []   # the gradients' async reduce-scatters, waited for before the update
+        self._gathers = []    # (async all-gather, its output, params), waited for after it
 
     def parameters(self):
         """Every parameter, group by group: the order of state_dict()'s indices."""
@@ -102,14 +102,14 @@ class _Sharded(torch.optim.Optimizer):
     # The collectives move equal flat pieces of `size` elements, one per rank, so both
     # zero-pad. Flat, because gloo takes only the concatenated form (NCCL also stacks).
     def _reduce_scatter(self, tensors, size):
-        """The tensors run together in world_size pieces: piece `rank` averaged (soon), flat."""
+        """The tensors run together in world_size pieces: piece `rank`, flat, averaged later."""
         if not self.distributed:
             return tensors[0].view(-1)  # the whole gradient, no copy
         padding = tensors[0].new_zeros(self.world_size * size - sum(t.numel() for t in tensors))
         full = torch.cat([t.view(-1) for t in tensors] + [padding])
         mine = full.new_empty(size)
         reduce_scatter, _ = collectives()
-        self._pending.append(reduce_scatter(mine, full, op=dist.ReduceOp.AVG, async_op=True))
+        self._scatters.append(reduce_scatter(mine, full, op=dist.ReduceOp.AVG, async_op=True))
         return mine
 
     def _all_gather(self, mine, params, size):
@@ -118,7 +118,7 @@ class _Sharded(torch.optim.Optimizer):
             full = mine.new_empty(self.world_size * size)
             mine = F.pad(mine.view(-1), (0, size - mine.numel()))
             _, all_gather = collectives()
-            self._pending.append((all_gather(full, mine, async_op=True), full, params))
+            self._gathers.append((all_gather(full, mine, async_op=True), full, params))
 
     @torch.no_grad()
     def reduce_grads(self):
@@ -128,9 +128,9 @@ class _Sharded(torch.optim.Optimizer):
 
     def _averaged(self):
         self.reduce_grads()
-        for work in self._pending:
+        for work in self._scatters:
             work.wait()
-        self._pending = []
+        self._scatters = []
         return self._reduced
 
     def grad_sq_norms(self):
@@ -145,11 +145,12 @@ class _Sharded(torch.optim.Optimizer):
         for grad in reduced.values():
             grad.mul_(grad_scale)  # clipping: exactly a pre-scaled gradient
         self._update(reduced)
-        for work, full, params in self._pending:
+        for work, full, params in self._gathers:
             work.wait()
+            # zip stops at the last parameter: the zero padding after it is dropped
             for p, new in zip(params, full.split(params[0].numel())):
                 p.copy_(new.view_as(p))
-        self._pending = []
+        self._gathers = []
 
     def state_dict(self):
         return {**super().state_dict(), "world_size": self.world_size, "rank": self.rank}
@@ -167,23 +168,22 @@ class _Sharded(torch.optim.Optimizer):
 class Muon(_Sharded):
     """Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
 
-    SGD with momentum steps along the momentum M, whose spectrum is dominated by a few
-    large singular directions, already being learned. Muon flattens the spectrum: it
-    replaces M = U S V^T by U V^T, so every singular direction moves by the same
-    amount, approximated by a few Newton-Schulz steps (zeropower_via_newtonschulz5)
-    instead of an SVD, in bf16 on GPU (ns_dtype overrides the precision).
+    SGD with momentum steps along the momentum M, whose spectrum is dominated by a few large
+    singular directions, already being learned. Muon flattens the spectrum: it replaces
+    M = U S V^T by U V^T, so every singular direction moves by the same amount, approximated by
+    a few Newton-Schulz steps (zeropower_via_newtonschulz5) instead of an SVD, in bf16 on GPU.
 
     Per step, for each matrix p with averaged gradient g:
         buf <- momentum * buf + g                   (SGD momentum)
         u   <- NS5(g + momentum * buf)              (Nesterov, then orthogonalise)
         p   <- p - lr * sqrt(max(1, rows/cols)) * u
 
-    Only for 2-D parameters; `momentum` is read from the param group at every step, so
-    the training loop can warm it up (0.85 -> 0.95 in the paper). Distributed, a group's
-    same-shape matrices go world_size at a time, rank i owning the i-th of such a block:
-    a reduce-scatter of the stacked block hands it its averaged gradient (a short block
-    is padded with zero matrices, wasted traffic), it alone keeps its momentum and runs
-    Newton-Schulz, and an all-gather of the block shares the new matrices.
+    Only for 2-D parameters; `momentum` is read from the param group at every step, so the
+    training loop can warm it up (0.85 -> 0.95 in the paper). Distributed, a group's same-shape
+    matrices go world_size at a time, rank i owning the i-th of such a block: a reduce-scatter
+    of the stacked block hands it its averaged gradient (a short block is padded with zero
+    matrices, wasted traffic), it alone keeps its momentum and runs Newton-Schulz, and an
+    all-gather of the block shares the new matrices.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, ns_dtype=None, distributed=False):
@@ -230,7 +230,7 @@ class Muon(_Sharded):
 
 
 class AdamW(_Sharded):
-    """AdamW with ZeRO-2 sharding: state and gradient split over the ranks.
+    """AdamW sharded over the ranks (ZeRO's sharded state; p.grad stays whole until zero_grad).
 
     The update is elementwise, so rank r updates just its slice of each parameter: viewed
     flat and cut into world_size slices of ceil(numel / world_size) elements (zero-padded),

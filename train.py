@@ -224,7 +224,7 @@ val_chunks = {}
 
 def validate(n_tokens):
     """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the
-    authors' loop); a task's test items (each answer a one-byte symbol)."""
+    authors' loop); for a task, its held-out test items."""
     if task and n_tokens not in val_chunks:
         val_chunks[n_tokens] = task.batches(n_tokens, device_batch_size, rank, world_size)
     if n_tokens not in val_chunks:
@@ -312,7 +312,7 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): the gradients averaged over the ranks; the one all-reduce sums their
-    # norms with the loss, a residual check value and the guard's flags (preemption, save clock)
+    # norms with the loss, the residual norm (only its finiteness is read) and the guard's flags
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()

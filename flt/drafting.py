@@ -95,6 +95,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     decode: the steps' path (Decoder). stats (a dict): rounds, drafted and accepted tokens per
     row, and the cache."""
     K_d, B = draft_loops, idx.size(0)
+    # step(tokens, span): the span's loops over tokens at the cache's position -> Step(h, logits)
     step = Decoder(model, idx, K, decode, attention_mask)
     cache = step.cache
     counts = {} if stats is None else stats
@@ -108,9 +109,9 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
         fed, states, drafts, q = [token], [], [], []
         for i in range(n):
-            h, logits = step(fed[-1], LoopSpan(K, stop=K_d))
-            states.append(h)
-            logits = logits[:, -1]
+            out = step(fed[-1], LoopSpan(K, stop=K_d))
+            states.append(out.h)
+            logits = out.logits[:, -1]
             drafts.append(choose(logits, temperature, top_k, rng))
             if temperature:
                 q.append(token_probs(logits, temperature, top_k))
@@ -134,6 +135,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the round's one host read: the prefix every row confirms, and the rows' mean (stats)
         least, mean = torch.stack([confirmed.min().float(), confirmed.float().mean()]).tolist()
         m = int(least)
+        # the m confirmed drafts, then the K-loop token after them; all n confirmed, the last
+        # draft is itself the K-loop token (no token after it: it was never fed)
         emitted = tokens[:, :min(m + 1, n)]
         cache.pos = start + emitted.size(1)
         token = emitted[:, -1:]

@@ -107,7 +107,8 @@ class Task:
                 items.append(item)
 
     def rows(self, items):
-        """(x, y, difficulty), each (rows, T) long: per_row items a row, the rest bos / -1."""
+        """(x, y, difficulty), each (rows, T) long: per_row items a row, the rest bos / -1. y[i] is
+        the answer at x[i] itself (not the next token), as the module docstring's targets."""
         n_rows = math.ceil(len(items) / self.per_row)
         x = torch.zeros(n_rows, self.T, dtype=torch.long)
         y = torch.full((n_rows, self.T), -1, dtype=torch.long)

@@ -61,7 +61,7 @@ variant = "FLT"             # train, memory and syncs modes
 attn = "full"               # train mode: full | mla
 n_kv_head = None            # train mode: None = n_head
 window_pattern = "L"        # train mode
-vocab_size = 151644         # train, memory, syncs, decode modes: the Qwen3 vocabulary (padded to 151,680)
+vocab_size = 151669         # train, memory, syncs, decode modes: the Qwen3 vocabulary (padded to 151,680)
 world_size = 8              # syncs mode: ranks simulated in this process by a fake process group
 checkpoint_loops = False    # train mode (memory runs both)
 compile_mode = "regional"   # train mode (memory runs all three): eager | regional (compile_regions) | whole

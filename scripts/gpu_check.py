@@ -74,7 +74,7 @@ def sizes():
     """The shapes each part runs at: the paper's base FLT, or the tiny one."""
     if tiny:
         return dict(depth=1, sequence_len=64, vocab=512, loops=3, prompt=8, new=8, batches=(1, 2))
-    return dict(depth=12, sequence_len=1024, vocab=151644, loops=9, prompt=32, new=64, batches=(1, 16))
+    return dict(depth=12, sequence_len=1024, vocab=151669, loops=9, prompt=32, new=64, batches=(1, 16))
 
 
 def base_config(loops, s):

@@ -39,8 +39,6 @@ data_dir = "data"           # the embedded corpus and its BPE (built here if abs
 out_dir = "out/torchrun_check"  # the runs, their consoles and the JSON
 out = ""                    # the JSON's path; empty = <out_dir>/torchrun_check.json
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Qwen3's ids (the dry run's count): the padded BPE gives the LM head the paper's shape
-QWEN3_VOCAB = 151669
 # every run's data: the embedded corpus with its BPE, whatever config/paper.py names
 DATA = ["--dataset=embedded", "--bos_token=<|endoftext|>", "--core_interval=0",
         "--sample_tokens=0"]
@@ -75,7 +73,7 @@ def prepare_data():
         return ["--tokenizer=bpe", f"--bpe_vocab_size={vocab}"]
     bpe = os.path.join(os.path.dirname(shards[0]), f"tokenizer_bpe{vocab}.json")
     path = os.path.join(out_dir, "tokenizer_qwen3_size.json")
-    return [f"--tokenizer={padded_tokenizer(bpe, path, QWEN3_VOCAB)}"]
+    return [f"--tokenizer={padded_tokenizer(bpe, path, data.QWEN3_VOCAB)}"]
 
 
 def torchrun(argv, console):
