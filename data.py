@@ -209,7 +209,7 @@ class DataLoader:
             stream += [self.tokenizer.bos_id, *ids]
         return torch.tensor(stream, dtype=torch.long)
 
-    def _load(self):
+    def load(self):
         """Row group self.pos, tokenized; keeps the next `prefetch` tokenizing in the background."""
         if self.ahead and self.ahead[0][0] == self.pos:
             tokens = self.ahead.popleft()[1].result()
@@ -249,7 +249,7 @@ class DataLoader:
         self.epoch_batches += 1
         while n and not self.done:
             if self.tokens is None:
-                self.tokens = self._load()
+                self.tokens = self.load()
             piece = self.tokens[self.offset:self.offset + n]
             pieces.append(piece)
             n -= len(piece)

@@ -363,8 +363,8 @@ def main(argv):
             continue
         print0(f"plan {mode:<6} {planned[mode].line}")
     # the time each should take, from a first forward of its kind
-    expected = estimate(settings, job, planned)
     if planned:
+        expected = estimate(settings, job, planned)
         print0("estimate (from the first forwards): "
                + ", ".join(f"{m} ~{report.minutes(s)}" for m, s in expected.items())
                + f"; in all ~{report.minutes(sum(expected.values()))}")

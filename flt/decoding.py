@@ -74,14 +74,23 @@ def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
         raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
 
 
-def check_cache_slots(cache_slots, K, prefix=""):
+def check_cache_slots(cache_slots, loops, prefix=""):
     """A ValueError naming {prefix}cache_slots unless it is None (K slots, exact) or an integer from
-    1 to K: decoding at K loops keeps 1 to K loop slots per layer (KVCache). prefix: "" for a
-    keyword argument, "--" for a command-line setting."""
-    if cache_slots is not None and not (isinstance(cache_slots, int) and 1 <= cache_slots <= K):
-        raise ValueError(f"{prefix}cache_slots={cache_slots!r}: expected an integer 1 to loops={K} "
-                         f"(decoding at K={K} loops keeps 1 to {K} loop slots per layer), "
-                         f"or None ({K} slots, exact)")
+    1 to K: decoding at K loops keeps 1 to K loop slots per layer (KVCache). loops: K, or the list
+    of K a cache serves (eval.py's, lm_eval_flt's), so 1 to the smallest. prefix: "" for a keyword
+    argument, "--" for a command-line setting."""
+    K = loops if isinstance(loops, int) else min(loops)
+    if cache_slots is None or isinstance(cache_slots, int) and 1 <= cache_slots <= K:
+        return
+    if isinstance(loops, int):
+        bound = f"loops={K} (decoding at K={K} loops keeps 1 to {K} loop slots per layer)"
+        exact = f"{K} slots"
+    else:
+        budgets = ",".join(map(str, loops))
+        bound = f"{K}, the smallest K of {prefix}loops={budgets} (K loops keep 1 to K slots a layer)"
+        exact = "K slots at each K"
+    raise ValueError(f"{prefix}cache_slots={cache_slots!r}: expected an integer 1 to {bound}, "
+                     f"or None ({exact}, exact)")
 
 
 def left_padding(attention_mask):

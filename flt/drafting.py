@@ -77,8 +77,8 @@ def check_draft(K, draft_loops, draft_len, cache_slots=None, exit_threshold=None
                          "drafted a round")
     if cache_slots not in (None, K):
         raise ValueError(f"{prefix}cache_slots={cache_slots!r} with {drafts}: drafting needs the "
-                         f"exact cache ({prefix}cache_slots={K} or None), where loop t's keys are "
-                         "loop t's own")
+                         f"exact cache, where loop t's keys are loop t's own: {prefix}cache_slots "
+                         "unset (None, K slots at each K)")
     if exit_threshold is not None:
         raise ValueError(f"{prefix}exit_threshold={exit_threshold!r} with {drafts}: a token's "
                          "depth is either drafted and verified, or chosen by the exit rule; use one "

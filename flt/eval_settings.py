@@ -131,7 +131,7 @@ def check_sampling(settings, defaults, loops_list):
     if settings.seed != defaults["seed"] and settings.temperature == 0:
         raise ValueError(f"--seed={settings.seed!r} does nothing at --temperature=0 (greedy decoding): "
                          "remove it, or sample at a temperature > 0")
-    check_cache_slots(settings.cache_slots, loops_list[0], prefix="--")
+    check_cache_slots(settings.cache_slots, loops_list, prefix="--")
     draft_loops = settings.draft_loops
     if draft_loops is None:
         if settings.draft_len != defaults["draft_len"]:

@@ -47,8 +47,8 @@ def restore(loader, state, row_groups):
     loader.offset = state["offset"]
     loader.epoch_tokens = state["epoch_tokens"]
     loader.epoch_batches = state["epoch_batches"]
-    # the row group it names, tokenized, as the loader would have it
-    loader.tokens = loader.tokenize(*loader.groups[loader.pos])
+    # the row group it names, tokenized (and the next `prefetch` queued), as the loader has it
+    loader.tokens = loader.load()
     if not 0 <= loader.offset < len(loader.tokens):
         raise ValueError(f"loader state {state}: offset outside the row group "
                          f"({len(loader.tokens)} tokens)")

@@ -30,20 +30,30 @@ import torch.distributed as dist
 
 # The collectives optim.py's sharded optimizers call (optim.py: collectives): torch 2.13's names, or
 # the same operations under the names torch 2.0 to 2.12 give them. A torch with neither would fail at
-# the first optimizer step of a multi-rank run, after the downloads and compilation. The rest of the
-# code needs torch 2.6 (torch.compiler.set_stance); the tests run 2.13, both pairs.
+# the first optimizer step of a multi-rank run, after the downloads and compilation. Every run needs
+# torch 2.6's NEEDED (evaluation's set_stance, the static cache's autocast dtype); the tests run 2.13.
 TORCH_NEEDED = "2.6"
+NEEDED = ("torch.compiler.set_stance", "torch.get_autocast_dtype")
 COLLECTIVES = (("reduce_scatter_single", "all_gather_single"),
                ("reduce_scatter_tensor", "all_gather_into_tensor"))
 
 
-def check_torch():
-    """ValueError naming the torch to install unless this one has one pair of COLLECTIVES."""
-    if not any(all(hasattr(dist, name) for name in pair) for pair in COLLECTIVES):
+def check_torch(world=1):
+    """ValueError naming the torch to install unless this one has NEEDED and, for a world of more
+    than one process, one pair of COLLECTIVES."""
+    install = (f"install torch>={TORCH_NEEDED} (requirements.txt pins torch==2.13.0; a CUDA node: the "
+               "install line in docs/recipe.md)")
+    for name in NEEDED:
+        found = torch
+        for part in name.split(".")[1:]:
+            found = getattr(found, part, None)
+        if found is None:
+            raise ValueError(f"this torch ({torch.__version__}) has no {name}, which this code calls: "
+                             f"{install}")
+    if world > 1 and not any(all(hasattr(dist, name) for name in pair) for pair in COLLECTIVES):
         names = " or ".join(f"torch.distributed.{a} and .{b}" for a, b in COLLECTIVES)
         raise ValueError(f"this torch ({torch.__version__}) has neither {names}, which optim.py calls: "
-                         f"install torch>={TORCH_NEEDED} (requirements.txt pins torch==2.13.0; a CUDA node: "
-                         "the install line in docs/recipe.md)")
+                         f"{install}")
 
 
 def setup(device=""):
@@ -51,14 +61,13 @@ def setup(device=""):
     and its device: "" = cuda if there is one, else cpu; "cuda" = this rank's GPU (LOCAL_RANK);
     "cuda:N" = GPU N, for one process only (under torchrun each rank takes its LOCAL_RANK's: choose
     the GPUs with CUDA_VISIBLE_DEVICES); "mps"; "cpu" (no index: there is one CPU device). A device
-    this torch cannot use is a ValueError naming the setting, and so is, under torchrun, a torch
-    without optim.py's collectives (check_torch).
+    this torch cannot use is a ValueError naming the setting, and so is a torch older than 2.6 or,
+    under torchrun, one without optim.py's collectives (check_torch).
     No process group yet: train.py prepares data first, which may outlast a collective's timeout."""
     rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0),
                                                                        ("WORLD_SIZE", 1)))
-    # one process skips every collective (optim.py), so an older torch runs it
-    if world > 1:
-        check_torch()
+    # one process skips every collective (optim.py): then only NEEDED is checked
+    check_torch(world)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
         raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' (one process), 'mps', or '' "

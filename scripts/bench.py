@@ -84,7 +84,9 @@ MODES = ("ratios", "train", "memory", "memory_step", "loader", "syncs", "lmeval"
 BUILT = ("ratios", "train", "memory", "memory_step", "syncs", "lmeval", "decode")
 ON_DEVICE = tuple(m for m in MODES if m != "loader")
 READ_BY = {"device": ON_DEVICE, "dtype": ON_DEVICE, "depth": (*BUILT, "hf"), "loops": (*BUILT, "loader", "hf"),
-           "sequence_len": (*BUILT, "loader"), "batch_size": (*BUILT, "loader", "hf"),
+           "sequence_len": (*BUILT, "loader"),
+           # decode runs its own batches (DECODE_BATCHES)
+           "batch_size": (*(m for m in BUILT if m != "decode"), "loader", "hf"),
            "repeats": ("ratios", "lmeval", "hf", "cache", "speculative", "decode"),
            "gen_tokens": ("ratios", "hf"),
            "variant": ("train", "memory", "memory_step", "syncs"),
@@ -435,7 +437,8 @@ def hf():
 
     def project():
         with autocast:
-            return torch.cat(list(ours.generate(prompt, n, temperature=0)), 1)
+            # the eager KVCache, as the wrapper's (on CUDA the default would be the captured step)
+            return torch.cat(list(ours.generate(prompt, n, temperature=0, decode="eager")), 1)
 
     @torch.no_grad()
     def transformers():  # eos_token_id=None: no stop at the document token, so both make all n tokens

@@ -72,7 +72,7 @@ class LoopedLM(TemplateLM):
         self.model, self.tok, self.numerics, self.log = model.eval(), tokenizer, numerics, log
         self.loops, self.K = sorted(set(loops)), max(loops)
         # the cache serves generation at every K of loops: at most the smallest
-        check_cache_slots(cache_slots, self.loops[0])
+        check_cache_slots(cache_slots, self.loops)
         self.cache_slots = cache_slots
         self.exit_threshold, self.batch_size = exit_threshold, batch_size
         self.max_length = model.config.sequence_len
@@ -272,7 +272,7 @@ def parse(argv):
     p.add_argument("--output_path", default="", help="the JSON file; empty = <step dir>/lm_eval.json")
     args = p.parse_args(argv)
     args.loops = loop_budgets(args.loops)
-    check_cache_slots(args.cache_slots, args.loops[0], prefix="--")
+    check_cache_slots(args.cache_slots, args.loops, prefix="--")
     errors.positive("--batch_size", args.batch_size)
     if args.limit is not None and args.limit <= 0:
         raise ValueError(f"--limit={args.limit}: expected items per task (>= 1) or a fraction of them (< 1), > 0")

@@ -944,6 +944,15 @@ def test_cache_slots_are_at_most_the_smallest_K():
     for args, bound in ((("--loops=6,2", "--cache_slots=3"), "2"), (("--cache_slots=0",), "1")):
         with pytest.raises(ValueError, match=rf"^--cache_slots={args[-1][-1]}: expected an integer .*{bound}"):
             read("--modes=sample", *args)
+    # the bound is named as the smallest of the K typed, not as a loops setting of its own
+    with pytest.raises(ValueError) as refused:
+        read("--modes=sample", "--loops=6,2", "--cache_slots=3")
+    assert str(refused.value) == ("--cache_slots=3: expected an integer 1 to 2, the smallest K of --loops=2,6 "
+                                  "(K loops keep 1 to K slots a layer), or None (K slots at each K, exact)")
+    # drafting at two K (2 and 6) needs the exact cache at both: the one advice that serves both is None
+    with pytest.raises(ValueError) as refused:
+        read("--modes=sample", "--loops=6,2", "--draft_loops=1", "--cache_slots=2")
+    assert str(refused.value).endswith("--cache_slots unset (None, K slots at each K)")
 
 
 def test_a_checkpoint_file_opens_its_folder(tmp_path):

@@ -81,6 +81,7 @@ def cases(t):
             (["--mode=loader", "--depth=2"], "--depth=2 does nothing in --mode=loader"),
             (["--mode=hf", "--sequence_len=32"], "--sequence_len=32 does nothing in --mode=hf"),
             (["--mode=syncs", "--steps=3"], "--steps=3 does nothing in --mode=syncs"),
+            (["--mode=decode", "--batch_size=4"], "--batch_size=4 does nothing in --mode=decode"),
         ],
         "-m scripts.export_hf": [
             ([f"{w}/nope", f"{w}/hf"], f"run '{w}/nope'"),

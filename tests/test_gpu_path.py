@@ -2,6 +2,7 @@
 stays compiled while train.py evaluates, the eval bundle on several nodes, the torch version."""
 import os
 import pathlib
+import re
 import textwrap
 import zipfile
 
@@ -183,6 +184,15 @@ def test_a_torch_without_the_collectives_stops_at_setup_under_torchrun(monkeypat
                                          r"\.all_gather_single or torch\.distributed\.reduce_scatter_tensor "
                                          r"and \.all_gather_into_tensor, which optim\.py calls: install "
                                          r"torch>=2\.6 \(requirements\.txt pins torch==2\.13\.0"):
+        runtime.setup("cpu")
+
+
+@pytest.mark.parametrize("name", runtime.NEEDED)
+def test_a_torch_older_than_2_6_stops_at_setup_even_in_one_process(name, monkeypatch):
+    # evaluation (during training too) calls set_stance, the static decode get_autocast_dtype
+    owner, attribute = name.rsplit(".", 1)
+    monkeypatch.delattr(torch.compiler if owner == "torch.compiler" else torch, attribute)
+    with pytest.raises(ValueError, match=rf"has no {re.escape(name)}, which this code calls: install torch>=2\.6"):
         runtime.setup("cpu")
 
 

@@ -91,3 +91,15 @@ def test_prefetch_buffers_that_many_row_groups_through_a_stalled_tokenizer(embed
     tok.stall.clear()
     blocked.join(timeout=10)
     assert not blocked.is_alive()
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_resumed_loader_queues_the_next_row_groups_as_a_running_one(embedded, prefetch):
+    """Resuming (state=...) tokenizes the saved row group and queues the `prefetch` after it, as the loader
+    that saved the state had them: the next row group is not tokenized on the training step's path."""
+    tok = Counting(data.get_tokenizer("bpe", os.path.dirname(embedded[0]), embedded[:-1], 4096))
+    running = data.DataLoader(embedded[:1], tok, 1, 8, prefetch=prefetch)
+    next(running)
+    resumed = data.DataLoader(embedded[:1], tok, 1, 8, prefetch=prefetch, state=running.state_dict())
+    assert [pos for pos, _ in resumed.ahead] == [pos for pos, _ in running.ahead] == list(range(1, 1 + prefetch))
+    assert next(resumed)[0].tolist() == next(running)[0].tolist()

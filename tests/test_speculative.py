@@ -192,7 +192,7 @@ SETTINGS = ("draft_loops", "draft_len", "cache_slots", "exit_threshold")
     (dict(draft_loops=1, loops=1), ["draft_loops=1"], "allowed: none: K=1 has no fewer loops"),
     (dict(draft_loops=1, draft_len=0), ["draft_len=0"], "expected an integer >= 1"),
     (dict(draft_loops=1, cache_slots=1), ["cache_slots=1", "draft_loops=1"],
-     "needs the exact cache (cache_slots=3 or None)"),
+     "needs the exact cache, where loop t's keys are loop t's own: cache_slots unset (None"),
     (dict(draft_loops=2, exit_threshold=0.1), ["exit_threshold=0.1", "draft_loops=2"],
      "use one of the two"),
 ])
@@ -213,7 +213,7 @@ def test_bad_draft_settings_get_one_line_naming_only_their_cause(kwargs, named, 
         drafting.check_draft(K_used, draft_len=kwargs.get("draft_len", 4), prefix="--", **args)
     want = message
     for name in SETTINGS:
-        want = want.replace(f"{name}=", f"--{name}=")
+        want = want.replace(f"{name}=", f"--{name}=").replace(f"{name} unset", f"--{name} unset")
     assert str(flagged.value) == want
 
 
