@@ -89,11 +89,11 @@ def token_losses(logits, targets):
 
 @torch.no_grad()
 def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
-    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K, in the model's
-    precision context (runtime.precision). The LM head runs on scored targets only (targets of
-    -1: loss 0, argmax -1): a CORE prompt's span is a few of its tokens. exit_threshold: the KL
-    exit rule (flt/decoding.py: ExitRule), whose h(K) at budget K is that forward's too, since the
-    rule at loop t reads only loops <= t."""
+    """{K: (per-token loss (B, T), argmax (B, T))} from ONE forward at max K, inside the caller's
+    precision context (runtime.precision). The LM head runs on scored targets only (targets of -1:
+    loss 0, argmax -1): a CORE prompt's span is a few of its tokens. exit_threshold: the KL exit
+    rule (flt/decoding.py: ExitRule), whose h(K) at budget K is that forward's too, since the rule
+    at loop t reads only loops <= t."""
     hs = model.loop_states(idx, max(loops_list), exit_threshold=exit_threshold).states
     scored = targets >= 0
     result = {}

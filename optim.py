@@ -13,7 +13,7 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
      gradients (scaled in place): zero them next. step() alone first reduces by itself.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
-rank updates and an all-gather of the updated pieces, 2P (as DDP's all-reduce; an all-reduce then
+rank updates and an all-gather of the updated pieces, 2P and padding (DDP's all-reduce: 2P; it then
 sharing sharded updates: 3P), plus one all_reduce of a number per parameter tensor (and `to_sum`).
 One process skips every collective unless built distributed (scripts/zero_check.py: a group of
 one); the flat collectives (gloo runs them as NCCL does) are torch 2.13's or older (`collectives`).
@@ -253,7 +253,7 @@ class AdamW(_Sharded):
                 for p in self.parameters()}
 
     def owns(self, p):
-        """True: this rank keeps a slice of every parameter, empty where numel < world_size."""
+        """True: this rank keeps a slice of every parameter (empty if it lies past numel)."""
         return True
 
     def piece(self, p, full):

@@ -200,7 +200,7 @@ print0(planning.summary(model, params, settings, num_steps, grad_accum, device, 
 # ranks, every rank's (resharded), and the RNGs (flt/guard.py)
 adamw, muon = build_optimizers(model, distributed=world_size > 1, matrix_lr=matrix_lr,
                                embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
-                               ns_dtype=torch.bfloat16 if dtype == "bf16" else None)
+                               ns_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
 # in this order in every checkpoint's rank state
 optimizers = [adamw, muon]
 loader_state, monitor, saved_ranks = restore_ranks(rt, ckpt_path, meta, optimizers)
@@ -311,8 +311,8 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): the gradients averaged over the ranks; the one all-reduce sums their
-    # norms with the loss, the residual norm (only its finiteness is read) and the guard's flags
+    # The reduction (optim.py): the gradients averaged over the ranks; one all-reduce sums their norms'
+    # shares with the loss, the last micro-batch's residual norm (read for finiteness), guard's flags
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
