@@ -311,8 +311,8 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): the gradients averaged over the ranks; one all-reduce sums their norms'
-    # shares with the loss, the last micro-batch's residual norm (read for finiteness), guard's flags
+    # The reduction (optim.py): gradients averaged over the ranks; one all-reduce sums the norms'
+    # shares with the loss, the last micro-batch's residual norm (for finiteness), guard's flags
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
