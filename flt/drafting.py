@@ -138,6 +138,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the m confirmed drafts, then the K-loop token after them; all n confirmed, the last
         # draft is itself the K-loop token (no token after it: it was never fed)
         emitted = tokens[:, :min(m + 1, n)]
+        # rewound as at a round's start: the cache holds every emitted token but the new last
         cache.pos = start + emitted.size(1)
         token = emitted[:, -1:]
         counts["rounds"] += 1
