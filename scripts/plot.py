@@ -259,8 +259,15 @@ def depth_curves(evals, labels, loops):
         depth = run_settings(path).get("depth")
         runs.append((f"{label}, {depth} blocks" if depth else label, results))
     evaluated = sorted({K for _, results in runs for K in results})
-    fig, axes = plt.subplots(1, 1 + len(runs), figsize=(4.6 * (1 + len(runs)), 4.4), squeeze=False)
-    by_k, panels = axes[0][0], axes[0][1:]
+    # the panels in rows of at most four, the accuracy against K first
+    n = 1 + len(runs)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(4.6 * cols, 4.4 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[n:]:
+        ax.remove()
+    by_k, panels = axes[0], axes[1:n]
     for i, (label, results) in enumerate(runs):
         by_k.plot(list(results), [r["task_acc"] for r in results.values()], "o-", color=f"C{i}",
                   label=label)
@@ -280,9 +287,11 @@ def depth_curves(evals, labels, loops):
                     color=colors(j / max(1, len(shown) - 1)), label=f"{label} at K={K}")
         ax.set(title=label, xlabel="difficulty (prefix length or hops)",
                ylabel="exact-match accuracy", ylim=(0, 1.05))
-    for ax in axes[0]:
+    for ax in axes[:n]:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower left")
+        # where it hides the fewest points
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
     return fig
 
 

@@ -182,6 +182,10 @@ def test_depth_draws_task_accuracy_against_K_and_difficulty(tmp_path):
         (line.get_markersize() for line in drawn), reverse=True)
     fig = plot.main(["depth", *runs, "--loops", "2", "-o", str(tmp_path / "two.png")])
     assert {label.rpartition(" at ")[2] for label in lines_of(fig.axes[1])} == {"K=2"}
+    # panels in rows of at most four: four runs and the K panel are a row of four and one below
+    fig = plot.main(["depth", *runs, *runs, "-o", str(tmp_path / "five.png")])
+    rows = [round(ax.get_position().y0, 3) for ax in fig.axes]
+    assert len(rows) == 5 and len(set(rows[:4])) == 1 and rows[4] < rows[0]
     # without -o: beside the runs (the folder they share), not where the command ran
     assert_png(tmp_path / "depth.png")
     write_eval(tmp_path / "text" / "step_000010" / "eval.json", [1, 3])
