@@ -133,7 +133,7 @@ MUTANTS = [
      "head = self.lm_head.weight.numel()", MODEL),
     ("flt/decoding.py", "hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])", "pass",
      MODEL),
-    ("train.py", 'ns_dtype=torch.bfloat16 if dtype == "bf16" else None', "ns_dtype=None",
+    ("train.py", 'ns_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32', "ns_dtype=None",
      ["tests/test_train.py::test_compiled_bf16_two_ranks_with_loop_checkpointing"]),
     ("optim.py", "math.log(loops - 1) - sigma**2 / 2", "math.log(loops - 1)", ["tests/test_variable_loops.py"]),
     # flt/decoding.py: the loop cache (m slots per layer, loop t in slot t mod m)
@@ -141,7 +141,7 @@ MUTANTS = [
      LOOP_CACHE),
     ("flt/decoding.py", "self.cache_slots = loops if cache_slots is None else cache_slots",
      "self.cache_slots = 1 if cache_slots is None else cache_slots", LOOP_CACHE),
-    ("flt/decoding.py", "1 <= cache_slots <= K)", "1 <= cache_slots)", LOOP_CACHE),
+    ("flt/decoding.py", "1 <= cache_slots <= K:", "1 <= cache_slots:", LOOP_CACHE),
     ("flt/decoding.py", "k_prev, v_prev = self.slot(loop - 1, layer, k)",
      "k_prev, v_prev = self.slot(loop, layer, k)", LOOP_CACHE),
     # flt/drafting.py: drafting with fewer loops, verifying with all K
