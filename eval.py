@@ -148,8 +148,8 @@ def evaluate_bpb(model, batches, tables, loops_list, progress=None):
 
 @torch.no_grad()
 def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None):
-    """[{threshold, val_bpb, mean_loops}]: bpb as evaluate_bpb's, and the mean loops per scored
-    token, with the KL exit rule at each threshold and at most `loops` loops. One forward per
+    """[{threshold, val_bpb, mean_loops}]: bpb as evaluate_bpb's, and the mean loops per target
+    with bytes, with the KL exit rule at each threshold and at most `loops` loops. One forward per
     threshold: where a token exits changes the tokens after it."""
     device = next(model.parameters()).device
     f64 = dict(dtype=torch.float64, device=device)

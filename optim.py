@@ -171,7 +171,7 @@ class Muon(_Sharded):
     SGD with momentum steps along the momentum M, whose spectrum is dominated by a few large
     singular directions, already being learned. Muon flattens the spectrum: it replaces
     M = U S V^T by U V^T, so every singular direction moves by the same amount, approximated by
-    a few Newton-Schulz steps (zeropower_via_newtonschulz5) instead of an SVD, in bf16 on GPU.
+    a few Newton-Schulz steps (zeropower_via_newtonschulz5) instead of an SVD, in ns_dtype.
 
     Per step, for each matrix p with averaged gradient g:
         buf <- momentum * buf + g                   (SGD momentum)

@@ -1,8 +1,8 @@
 """Support for data.py's DataLoader: the checks of its arguments, each a ValueError that names
 the bad value and says what is allowed, and its whole resume from a saved position, on the same
 number of ranks or another. The loader itself (the packing, the position it saves) reads in
-data.py; this module reads only its public layout (files, names, rows, groups, rank, world_size)
-and its tokenize().
+data.py; this module reads only its public layout (files, names, rows, groups, rank, world_size),
+its tokenize() and its load() (a row group, and the next ones queued).
 
     check_arguments(files, names, batch_size, seq_len, rank, world_size)  # before any file is read
     check_groups(loader, row_groups)     # a cycling rank must get at least one row group

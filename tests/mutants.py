@@ -1,10 +1,11 @@
 """Does the suite fail when the recipe is applied wrong? Each mutant below is one plausible slip in a
-line of train.py, optim.py or model.py that carries the recipe (or of decoding, the reasoning
-tasks and their accuracy); this script applies them one at a time to a copy of the tree and runs
-the tests that pin that line (-x: it stops at the first failure).
+line of train.py, optim.py or model.py that carries the recipe (or of decoding, drafting,
+eval.py's metrics, the reasoning tasks and their accuracy); this script applies them one at a
+time to a copy of the tree and runs the tests that pin that line (-x: it stops at the first
+failure).
 A mutant the tests let through is printed as SURVIVED: a line no test pins yet.
 
-    python tests/mutants.py                 # every mutant (about 20 minutes on 2 cores)
+    python tests/mutants.py                 # every mutant (about 25 minutes on 2 cores)
     python tests/mutants.py optim.py 3      # those of one file, or the ones whose index is given
 
 Not part of the suite (pytest collects test_*.py only); docs/testing.md says when to run it."""

@@ -1051,16 +1051,32 @@ def test_main_plans_first_runs_each_mode_and_saves_after_each(tmp_path, monkeypa
 # ----------------------------------------------------------------------------- torchrun
 
 
+def shares(model):
+    """Four text batches (x, y), and four task batches (x, y, difficulty): half the targets unscored,
+    half of the rest the model's own argmax at K=3 (right at K=3, some right at K=1), the others random."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
+    task_batches = []
+    for x, y in batches:
+        with torch.no_grad():
+            own = model(x, loops=3, all_loops=True)[-1].argmax(-1)
+        y = torch.where(torch.rand(y.shape, generator=g) < 0.5, own, y)
+        y = torch.where(torch.rand(y.shape, generator=g) < 0.5, y, -1)
+        task_batches.append((x, y, torch.randint(1, 4, y.shape, generator=g)))
+    return batches, task_batches
+
+
 def _worker(rank, world, port, bundle, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = randomize_(tiny_gpt())
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
+    batches, task_batches = shares(model)
     result = {"bpb": ev.evaluate_bpb(model, batches[rank::world], {"t": TOK.token_bytes()}, [1, 3])[0]["t"],
               "ppl": ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2),
-              "core": ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)}
+              "core": ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None),
+              "exit": ev.evaluate_exit(model, batches[rank::world], TOK.token_bytes(), 3, [0.0, 1e-3]),
+              "tasks": ev.evaluate_tasks(model, task_batches[rank::world], [1, 2, 3], [1, 3])[1]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()  # no rank tears gloo down while the other still talks to it
@@ -1076,15 +1092,21 @@ def test_distributed_shares_match_one_process(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1  # every rank holds the all-reduced result
     model = randomize_(tiny_gpt())
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)) for _ in range(4)]
+    batches, task_batches = shares(model)
     bpb = ev.evaluate_bpb(model, batches, {"t": TOK.token_bytes()}, [1, 3])[0]["t"]
     ppl = ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2)
     core = ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
+    exit_curve = ev.evaluate_exit(model, batches, TOK.token_bytes(), 3, [0.0, 1e-3])
+    tasks = ev.evaluate_tasks(model, task_batches, [1, 2, 3], [1, 3])[1]
     for K in (1, 3):
         assert r0["bpb"][str(K)] == pytest.approx(bpb[K], rel=1e-5)
         assert r0["ppl"][str(K)] == pytest.approx(ppl[K], rel=1e-5)
         assert r0["core"][str(K)]["CORE"] == pytest.approx(core[K]["CORE"])
+        # a share of right answers: a count over a count, equal whatever the ranks' split
+        assert r0["tasks"][str(K)] == tasks[K] and 0 < tasks[1] < tasks[3] < 1
+    for shared, whole in zip(r0["exit"], exit_curve, strict=True):
+        assert shared["val_bpb"] == pytest.approx(whole["val_bpb"], rel=1e-5)
+        assert shared["mean_loops"] == pytest.approx(whole["mean_loops"], rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- the protocol, the plan, progress
