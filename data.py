@@ -149,10 +149,10 @@ class DataLoader:
     """(x, y) batches of shape (B, T) cut from one rank's token stream, as the authors' loader.
 
     A rank's stream: each file in turn, its row groups rank, rank + world_size, ... (per file, as
-    nanochat's dataloader.py), each document as [bos] + tokens. A batch is the next chunk of
-    B*T+1 tokens: x = its first B*T, y = its last B*T, viewed (B, T) (row b's last target is row
-    b+1's first input), packed across documents with no mask: attention crosses a bos, as the
-    authors'. The next chunk starts after it: a chunk's first token is never a target.
+    nanochat's dataloader.py), each document as [bos] + tokens. A batch is the next chunk of B*T+1
+    tokens: x = its first B*T, y = its last B*T, viewed (B, T) (row b's last target is row b+1's
+    first input), packed across documents with no mask: attention crosses a bos, as in the authors'
+    nanochat/gpt.py (is_causal). The next chunk starts after it: its first token is no target.
     cycle=True (training): after its last row group the rank starts a new epoch, and prints so.
     cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with
     bos and y with -1 (ignored targets), then StopIteration: no target twice, the tail not lost.

@@ -13,10 +13,9 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
      gradients (scaled in place): zero them next. step() alone first reduces by itself.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
-rank updates and an all-gather of the updated pieces, 2P and padding (DDP's all-reduce: 2P; it then
-sharing sharded updates: 3P), plus one all_reduce of a number per parameter tensor (and `to_sum`).
-One process skips every collective unless built distributed (scripts/zero_check.py: a group of
-one); the flat collectives (gloo runs them as NCCL does) are torch 2.13's or older (`collectives`).
+rank updates and an all-gather of the updated pieces, 2P and padding as DDP's all-reduce (sharing
+sharded updates after an all-reduce: 3P), plus an all_reduce of a number per tensor and `to_sum`.
+One process skips every collective unless built distributed (scripts/zero_check.py: a group of one).
 
 The state is per rank (its slices or matrices; tensors, numbers, strings, world_size and rank):
 one state_dict() per rank, another rank's refused. owns(p) and piece(p, whole) say which piece of
@@ -30,11 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+# (reduce-scatter, all-gather): torch 2.13's names, then those torch 2.0 to 2.12 give them
+COLLECTIVES = (("reduce_scatter_single", "all_gather_single"),
+               ("reduce_scatter_tensor", "all_gather_into_tensor"))
+
+
 def collectives():
-    """(reduce-scatter, all-gather): torch 2.13's names, else 2.x's older ones (NCCL, gloo)."""
-    if hasattr(dist, "reduce_scatter_single") and hasattr(dist, "all_gather_single"):
-        return dist.reduce_scatter_single, dist.all_gather_single
-    return dist.reduce_scatter_tensor, dist.all_gather_into_tensor
+    """The first pair of COLLECTIVES this torch has (flt/runtime.py: check_torch refuses none)."""
+    pair = next((p for p in COLLECTIVES if all(hasattr(dist, n) for n in p)), COLLECTIVES[-1])
+    return tuple(getattr(dist, name) for name in pair)
 
 
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
@@ -178,12 +181,11 @@ class Muon(_Sharded):
         u   <- NS5(g + momentum * buf)              (Nesterov, then orthogonalise)
         p   <- p - lr * sqrt(max(1, rows/cols)) * u
 
-    Only for 2-D parameters; `momentum` is read from the param group at every step, so the
-    training loop can warm it up (0.85 -> 0.95 in the paper). Distributed, a group's same-shape
-    matrices go world_size at a time, rank i owning the i-th of such a block: a reduce-scatter
-    of the stacked block hands it its averaged gradient (a short block is padded with zero
-    matrices, wasted traffic), it alone keeps its momentum and runs Newton-Schulz, and an
-    all-gather of the block shares the new matrices.
+    Only for 2-D parameters; `momentum` is read from the group each step (the loop warms it up,
+    0.85 -> 0.95). Distributed, a group's same-shape matrices go world_size at a time, rank i
+    owning the i-th of such a block: a reduce-scatter of the stacked block hands it its averaged
+    gradient (a short block is padded with zero matrices), it alone keeps its momentum and runs
+    Newton-Schulz, and an all-gather of the block shares the new matrices.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, ns_dtype=None, distributed=False):

@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from optim import COLLECTIVES
+
 
 # The collectives optim.py's sharded optimizers call (optim.py: collectives): torch 2.13's names, or
 # the same operations under the names torch 2.0 to 2.12 give them. A torch with neither would fail at
@@ -34,8 +36,6 @@ import torch.distributed as dist
 # torch 2.6's NEEDED (evaluation's set_stance, the static cache's autocast dtype); the tests run 2.13.
 TORCH_NEEDED = "2.6"
 NEEDED = ("torch.compiler.set_stance", "torch.get_autocast_dtype")
-COLLECTIVES = (("reduce_scatter_single", "all_gather_single"),
-               ("reduce_scatter_tensor", "all_gather_into_tensor"))
 
 
 def check_torch(world=1):
