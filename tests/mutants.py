@@ -88,8 +88,10 @@ MUTANTS = [
     ("optim.py", "return min(1.0, max_norm / (total_norm + 1e-6))", "return max_norm / (total_norm + 1e-6)", OPTIM),
     ("optim.py", "dist.all_reduce(values)", "dist.all_reduce(values, op=dist.ReduceOp.AVG)", OPTIM),
     # an older torch's collectives: the fallback is the same operations
-    ("optim.py", "return dist.reduce_scatter_tensor, dist.all_gather_into_tensor",
-     "return dist.all_gather_into_tensor, dist.reduce_scatter_tensor", ["tests/test_collectives.py"]),
+    ("optim.py", '("reduce_scatter_tensor", "all_gather_into_tensor"))',
+     '("all_gather_into_tensor", "reduce_scatter_tensor"))', ["tests/test_collectives.py"]),
+    ("optim.py", "for p in COLLECTIVES if", "for p in COLLECTIVES[1:] if",
+     ["tests/test_collectives.py"]),
     # model.py: the backbone and the loop
     ("model.py", "return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)",
      "return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)", MODEL),
