@@ -267,7 +267,8 @@ def set_schedules(step):
 
 
 # ----------------------------------------------------------------------------- training
-log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps}, tracker)
+log = diagnostics.Log(out_dir if master else None, settings | {"num_steps": num_steps}, tracker,
+                      resumed_at=start_step if ckpt_path else None)
 if resharded:
     log.write(resharded)
 # truncated backprop through the loops (model.py): the last bptt_loops loops; None = every loop

@@ -3,19 +3,26 @@ Checkpoints and run directories: how a multi-day run never loses work.
 
     out_dir/
         run.lock            held (flock) by the run writing here; the file itself means nothing
-        log.jsonl           one JSON line per step (train.py)
+        settings.json       the run's settings (train.py)
+        log.jsonl           one JSON line per step (train.py); log.replayed.jsonl: the lines a
+                            resumed run replaced (the steps after its checkpoint, run again)
         imported.json       only in a run imported from the authors' code (flt/authors.py): never resumed
+        replaced_run/       only while a run started with --overwrite has not saved yet: the old run
         step_000500/        model.pt: weights, config, step, settings, format
                             rank0.pt ... rankN.pt: each rank's optimizer shard, loader position, RNG
                             tokenizer.json: the tokenizer the weights were trained with
+                            eval.json, eval.md, ...: results (eval.py), never pruned
         step_001000/
 
-The rules, each one a test in tests/test_train.py:
+The rules, each one a test in tests/test_train.py or tests/test_nothing_lost.py:
 - A checkpoint is written into tmp_step_N and renamed to step_N once every rank has written its
   part, so a kill at any moment leaves the previous checkpoint whole.
 - A checkpoint the disk cannot hold is refused before it is written (its size: the newest one's), and
   a write that fails on any rank makes every rank raise: nothing of it stays, no older one is pruned.
-- Non-finite parameters are never saved; the newest checkpoint is never pruned.
+- Non-finite parameters are never saved; the newest checkpoint is never pruned, and pruning
+  deletes a checkpoint's own files only: results and a user's files in its directory stay.
+- Nothing in out_dir is moved or deleted before the run holds its lock, and only what a run wrote:
+  a refused second run changes nothing; --overwrite deletes the old run only once the new one saved.
 - Everything is loaded with torch.load(weights_only=True): a checkpoint holds tensors, numbers,
   strings, lists and dicts, so loading one from someone else runs none of their code.
 - model.pt carries a format number; weights of an older format compute different logits under
@@ -242,8 +249,19 @@ def set_aside_newer(out_dir, step, log=print):
     <name>.unreadable: they must not outrank the ones a resumed run writes."""
     for s, path in list_checkpoints(out_dir):
         if s > step:
-            os.replace(path, path + ".unreadable")
-            log(f"moved the unreadable {path} aside to {path}.unreadable")
+            aside = unused_name(path + ".unreadable")
+            os.replace(path, aside)
+            log(f"moved the unreadable {path} aside to {aside}")
+
+
+def unused_name(path):
+    """path, or path2, path3, ...: the first that does not exist (a rename never replaces)."""
+    n = 1
+    found = path
+    while os.path.lexists(found):
+        n += 1
+        found = f"{path}{n}"
+    return found
 
 
 def _save(obj, path):
@@ -294,6 +312,15 @@ def checkpoint_bytes(out_dir, state, rank_state, world_size):
     return math.ceil(size * (1 + SPACE_MARGIN)) + SPACE_SLACK
 
 
+def filled_disk(e, free):
+    """Whether the write that raised e failed for want of space: an OSError of a full disk, or
+    what torch.save's zip writer ("unexpected pos") and the tokenizer's Rust writer ("os error
+    28") raise instead, told apart from other failures by the disk left nearly empty."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "os error 28" in str(e) or free < SPACE_SLACK
+
+
 # How a rank's part of a checkpoint went, as the ranks tell each other (save)
 WRITTEN, NO_SPACE, DISK_FULL, FAILED = range(4)
 PUBLISH = "rename it into place or prune the older checkpoints"
@@ -333,8 +360,8 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
         except runtime.DiskSpaceError as e:
             error, report = e, [NO_SPACE, needed, e.free]
         except Exception as e:
-            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            error, report = e, [DISK_FULL if full else FAILED, needed, runtime.free_bytes(out_dir)]
+            free = runtime.free_bytes(out_dir)
+            error, report = e, [DISK_FULL if filled_disk(e, free) else FAILED, needed, free]
         reports = torch.zeros(world, 3, dtype=torch.long, device=next(model.parameters()).device)
         reports[rank] = torch.tensor(report)
         runtime.all_reduce_sum(reports)  # each rank filled its own row
@@ -372,6 +399,7 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
             prune(out_dir, keep, keep_every)
+            drop_replaced(out_dir)
 
     agree(first_part)
     agree(lambda: _save(rank_state, os.path.join(tmp, f"rank{rank}.pt")))
@@ -385,15 +413,47 @@ def check_keep(keep):
         raise ValueError(f"keep_checkpoints={keep}: expected >= 1, or 0 to keep every checkpoint")
 
 
-def prune(out_dir, keep, keep_every=0):
+# The files a checkpoint consists of (save writes them, prune deletes them): anything else in a step
+# directory (eval.py's eval.json and eval.md, lm_eval.json, a user's notes) is not the checkpoint's.
+CHECKPOINT_FILE = re.compile(r"model\.pt|rank\d+\.pt|tokenizer\.json")
+
+
+def prune(out_dir, keep, keep_every=0, log=print):
     """Delete all but the newest `keep` checkpoints (0 = keep all); the newest always stays, and so
-    do steps that are multiples of keep_every (> 0), e.g. the points of a curve over training."""
+    do steps that are multiples of keep_every (> 0), e.g. the points of a curve over training.
+    Only a checkpoint's own files go (CHECKPOINT_FILE); a step directory that also holds results or
+    a user's files stays with them, said through log. A step directory a kill left half-pruned (no
+    model.pt, some checkpoint files) is finished here."""
     check_keep(keep)
     if keep == 0:
         return
-    for step, path in list_checkpoints(out_dir)[:-keep]:
-        if not (keep_every and step % keep_every == 0):
-            shutil.rmtree(path)
+    found = list_checkpoints(out_dir)
+    old = [path for step, path in found[:-keep] if not (keep_every and step % keep_every == 0)]
+    complete = {path for _, path in found}
+    half = [os.path.join(out_dir, name) for name in sorted(os.listdir(out_dir))
+            if _STEP.fullmatch(name) and os.path.join(out_dir, name) not in complete]
+    for path in old + [p for p in half if os.path.isdir(p) and checkpoint_files(p)]:
+        remove_checkpoint(path, log)
+
+
+def checkpoint_files(step_dir):
+    return [name for name in os.listdir(step_dir) if CHECKPOINT_FILE.fullmatch(name)]
+
+
+def remove_checkpoint(step_dir, log=print):
+    """The checkpoint in step_dir deleted: model.pt first (from then on it is no checkpoint: nothing
+    loads it), then its other files; the directory too if that leaves it empty."""
+    model_file = os.path.join(step_dir, "model.pt")
+    if os.path.exists(model_file):
+        os.remove(model_file)
+    for name in checkpoint_files(step_dir):
+        os.remove(os.path.join(step_dir, name))
+    kept = sorted(os.listdir(step_dir))
+    if not kept:
+        os.rmdir(step_dir)
+        return
+    log(f"pruned the checkpoint in {step_dir}; the directory stays for {', '.join(kept)}, "
+        f"which training did not write")
 
 
 # ------------------------------------------------------------------------------------
@@ -401,27 +461,58 @@ def prune(out_dir, keep, keep_every=0):
 
 # wandb.json: tracking.py's W&B run id. imported.json: a run the authors' code trained, brought in
 # by scripts/import_authors.py (flt/authors.py) without their optimizer state: never resumed.
+# log.replayed.jsonl: the lines a resumed run took out of log.jsonl (diagnostics.Log).
 IMPORTED = "imported.json"
-RUN_FILES = ("log.jsonl", "wandb.json", IMPORTED)
+SETTINGS = "settings.json"
+RUN_FILES = ("log.jsonl", "log.replayed.jsonl", SETTINGS, "wandb.json", IMPORTED)
+# What a run writes besides them: its checkpoints, half-written ones, and ones set aside
+RUN_DIRS = re.compile(r"(tmp_)?step_\d+(\.old|\.unreadable\d*)?")
+# Where --overwrite moves the run it replaces, until the new run's first checkpoint is written
+REPLACED = "replaced_run"
 
 
-def prepare_out_dir(out_dir, resume, overwrite):
-    """Check out_dir before any work: writable; resume=True needs a checkpoint, of this code's (an
-    imported run has no optimizer state: IMPORTED); a fresh run refuses a directory holding
-    another run unless overwrite=True (which deletes that run's files).
-    resume="auto" (a job's first submission and every requeue): resume if out_dir holds a checkpoint,
-    else start fresh, replacing the log of a run that never saved one."""
+def run_files(out_dir):
+    """The names in out_dir that a run wrote (RUN_FILES, RUN_DIRS), sorted; nothing else is a run's."""
+    return sorted(name for name in os.listdir(out_dir) if name in RUN_FILES or RUN_DIRS.fullmatch(name))
+
+
+def check_settings_file(out_dir):
+    """A settings.json in out_dir must be one train.py wrote (a JSON object of its settings): a
+    user's file of that name is refused, never replaced."""
+    path = os.path.join(out_dir, SETTINGS)
+    if not os.path.exists(path):
+        return
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        saved = _read_json(path)
+    except (OSError, ValueError):
+        saved = None
+    if not (isinstance(saved, dict) and {"variant", "loops"} <= saved.keys()):
+        raise ValueError(f"{path} was not written by train.py (it writes its settings there): move "
+                         f"it, or choose another --out_dir")
+
+
+def prepare_out_dir(out_dir, resume, overwrite, log=print):
+    """Check out_dir, which this process has locked (claim_out_dir): writable; resume=True needs a
+    checkpoint, of this code's (an imported run has no optimizer state: IMPORTED); a fresh run
+    refuses a directory holding another run unless overwrite=True, which moves that run's files
+    aside to REPLACED (deleted once the new run saves: drop_replaced; put back if it cannot start:
+    restore_replaced). Returns the REPLACED path when it moved a run there, else None.
+    resume="auto" (a job's first submission and every requeue): resume if out_dir holds a checkpoint,
+    else start fresh, deleting what a run that never saved one wrote (its log, its settings).
+    Only a run's own files (run_files) are ever moved or deleted."""
+    try:
         probe = os.path.join(out_dir, f".write_test{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
         raise ValueError(f"out_dir={out_dir!r} is not writable: {e.strerror}") from e
+    check_settings_file(out_dir)
     steps = [os.path.basename(p) for _, p in list_checkpoints(out_dir)]
     found = steps + [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
-    if resume == "auto":
-        resume, overwrite = bool(steps), overwrite or not steps
+    replaced = os.path.join(out_dir, REPLACED)
+    if resume == "auto" and not steps:
+        remove_run_files(out_dir)
+        return None
     if resume:
         if not steps:
             raise FileNotFoundError(f"--resume: no checkpoint (step_NNNNNN/model.pt) in out_dir={out_dir!r}")
@@ -431,39 +522,88 @@ def prepare_out_dir(out_dir, resume, overwrite):
                              f"continued here; evaluate or export it, or train a new run elsewhere")
     elif found and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} already holds a run ({', '.join(found[-3:])}): continue it "
-                         f"with --resume, choose another --out_dir, or delete it with --overwrite")
+                         f"with --resume, choose another --out_dir, or replace it with --overwrite")
+    elif found and os.path.isdir(replaced):
+        # an earlier --overwrite whose new run never saved: that run's files go, the replaced one stays
+        if steps:
+            raise ValueError(f"out_dir={out_dir!r} holds a run with checkpoints and {replaced}, a run "
+                             f"--overwrite set aside: delete one of them by hand, then run again")
+        remove_run_files(out_dir)
+        log(f"{replaced} still holds the run an earlier --overwrite replaced; it stays until this "
+            f"run saves its first checkpoint")
     elif found:
-        for name in os.listdir(out_dir):
-            if _STEP.fullmatch(name) or name.startswith("tmp_step_") or name in RUN_FILES:
-                path = os.path.join(out_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        os.makedirs(replaced)
+        for name in run_files(out_dir):
+            os.replace(os.path.join(out_dir, name), os.path.join(replaced, name))
+        log(f"--overwrite: moved the run in {out_dir} to {replaced}; it is deleted once this run "
+            f"has saved its first checkpoint")
+        return replaced
     for name in os.listdir(out_dir):  # half-written checkpoints of a killed run
         if name.startswith("tmp_step_"):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    return None
 
 
-def claim_out_dir(out_dir, resume, overwrite):
-    """prepare_out_dir, then lock_out_dir: returns the lock, to be kept while the run lives. The
-    directories this call creates are removed again if the run ends on a user's error (a download
-    refused, a tokenizer that does not load) while they hold nothing but the lock."""
+def remove_run_files(out_dir):
+    """Delete what a run wrote in out_dir (run_files) and nothing else."""
+    for name in run_files(out_dir):
+        path = os.path.join(out_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def restore_replaced(out_dir, log=print):
+    """The run --overwrite moved to REPLACED back in its place (a new run that could not start):
+    what the new run wrote meanwhile goes first."""
+    replaced = os.path.join(out_dir, REPLACED)
+    remove_run_files(out_dir)
+    for name in os.listdir(replaced):
+        os.replace(os.path.join(replaced, name), os.path.join(out_dir, name))
+    os.rmdir(replaced)
+    log(f"the run --overwrite had moved to {replaced} is back in {out_dir}")
+
+
+def drop_replaced(out_dir, log=print):
+    """Delete REPLACED, the run --overwrite set aside, once the new run has a checkpoint (save)."""
+    replaced = os.path.join(out_dir, REPLACED)
+    if os.path.isdir(replaced):
+        shutil.rmtree(replaced)
+        log(f"deleted {replaced}, the run --overwrite replaced: this run has its first checkpoint")
+
+
+def claim_out_dir(out_dir, resume, overwrite, log=print):
+    """Lock out_dir (lock_out_dir), then prepare_out_dir: nothing in it is moved or deleted before
+    this process holds the lock, so a second run refused by the lock changes nothing. Returns the
+    lock, to be kept while the run lives. If the run ends on a user's error (a download refused, a
+    tokenizer that does not load), a run --overwrite set aside is put back, and the directories this
+    call created are removed again while they hold nothing but the lock."""
     made = []
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
         made.append(parent)
         parent = os.path.dirname(parent)
-    prepare_out_dir(out_dir, resume, overwrite)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out_dir={out_dir!r} is not writable: {e.strerror}") from e
+    lock_path = os.path.join(out_dir, "run.lock")
+    before = open(lock_path, "rb").read() if os.path.isfile(lock_path) else None
     lock = lock_out_dir(out_dir)
     # the paths only: holding the lock here would keep it from being released with the run
-    errors.on_user_error(functools.partial(remove_unused, made, lock.name))
+    errors.on_user_error(functools.partial(release, made, lock_path, before))
+    if prepare_out_dir(out_dir, resume, overwrite, log):
+        errors.on_user_error(functools.partial(restore_replaced, out_dir, log))
     return lock
 
 
-def remove_unused(made, lock_path):
-    """The directories `made` (innermost first), the lock's file in the innermost, removed if they
-    hold nothing else (an open lock's file can be removed: the process is ending)."""
-    if not made or os.listdir(made[0]) != [os.path.basename(lock_path)]:
-        return
-    os.remove(lock_path)
+def release(made, lock_path, before):
+    """Undo what claiming a run directory wrote: the lock's file as it was (`before`: its bytes, or
+    None: removed), then the directories `made` (innermost first) if that leaves them empty. The
+    lock is still held: the process is ending, and the kernel releases it then."""
+    if before is None:
+        os.remove(lock_path)
+    else:
+        with open(lock_path, "wb") as f:
+            f.write(before)
     for path in made:
         if os.listdir(path):
             return
@@ -474,7 +614,10 @@ def lock_out_dir(out_dir):
     """Hold an exclusive lock on out_dir/run.lock for the life of the process (the kernel drops it
     when the process ends, however it ends). A second run on the same out_dir is refused."""
     path = os.path.join(out_dir, "run.lock")
-    f = open(path, "a+")
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise ValueError(f"out_dir={out_dir!r} is not writable: {e.strerror}") from e
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

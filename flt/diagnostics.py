@@ -177,12 +177,16 @@ class StepTimer:
 class Log:
     """out_dir/settings.json (written at once) and out_dir/log.jsonl (appended, one JSON line per
     record, flushed); out_dir None (ranks other than 0) writes nothing. A tracker (tracking.Tracker)
-    gets each record too, and is finished with the log."""
+    gets each record too, and is finished with the log. A run resumed at step `resumed_at` runs the
+    steps after its checkpoint again: their lines move to log.replayed.jsonl (replay), so that
+    log.jsonl holds each step once."""
 
-    def __init__(self, out_dir, settings, tracker=None):
+    def __init__(self, out_dir, settings, tracker=None, resumed_at=None):
         self.file, self.tracker = None, tracker
         if out_dir is not None:
             atomic_write(os.path.join(out_dir, "settings.json"), json.dumps(settings, indent=1))
+            if resumed_at is not None:
+                replay(out_dir, resumed_at)
             self.file = open(os.path.join(out_dir, "log.jsonl"), "a")
 
     def write(self, record):
@@ -197,3 +201,33 @@ class Log:
             self.file.close()
         if self.tracker:
             self.tracker.finish()
+
+
+def replay(out_dir, step):
+    """Move the lines of out_dir/log.jsonl from `step` on (those a crashed run wrote after the
+    checkpoint a run resumes from) to the end of log.replayed.jsonl: kept, and out of the log. The
+    log is rewritten whole (atomic_write), the replayed lines appended first."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if logged_step(line) < step]
+    later = [line for line in lines if logged_step(line) >= step]
+    if not later:
+        return
+    with open(os.path.join(out_dir, "log.replayed.jsonl"), "a") as f:
+        f.writelines(later)
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write(path, "".join(keep))
+    print(f"log.jsonl: {len(later)} lines of steps {step} and later, which this run takes again, "
+          f"moved to log.replayed.jsonl")
+
+
+def logged_step(line):
+    """The step of one line of log.jsonl; a line a kill cut short counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf

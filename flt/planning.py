@@ -185,13 +185,24 @@ def check_settings(s, defaults):
                                 "name like 'Qwen/Qwen3-0.6B', or bpe")
 
 
+# Resumable settings that define the schedule: a run continued under another value is neither run
+# (a 6-step run continued to 12 has had its LR warm-down already), so only --resume=True changes them.
+SCHEDULE = ("num_steps",)
+
+
 def resume_changes(saved, s, path):
     """The settings that differ from those saved in the checkpoint at path (in their saved order); a
-    ValueError if any is outside RESUMABLE: the model, the data and the recipe stay as they were."""
+    ValueError if any is outside RESUMABLE: the model, the data and the recipe stay as they were;
+    with resume="auto" (a requeue: the same command again), also if any in SCHEDULE differs."""
     changed = [k for k, v in saved.items() if s.get(k) != v]
     if refused := [k for k in changed if k not in RESUMABLE]:
         raise ValueError(f"--resume: settings {refused} differ from the checkpoint {path}; "
                          f"only {sorted(RESUMABLE)} may change")
+    schedule = [f"{k}={s[k]} (the checkpoint's run: {saved[k]})" for k in changed if k in SCHEDULE]
+    if s.get("resume") == "auto" and schedule:
+        raise ValueError(f"--resume=auto: {', '.join(schedule)} differs from {path}: that would "
+                         f"continue another run's schedule, not start this one; start this run in "
+                         f"another --out_dir, or continue that one on purpose with --resume=True")
     return changed
 
 

@@ -287,7 +287,8 @@ def test_one_rank_without_space_stops_every_rank_and_keeps_the_older_checkpoint(
 
 def test_a_user_error_removes_the_run_directories_the_claim_made_while_unused(tmp_path):
     """A run that ends on a user's error before writing anything leaves no directory behind; one
-    that wrote something, or a directory that existed before, is left as it is."""
+    that wrote something, or a directory that existed before, is left as it is, its run.lock as it was
+    before the claim (absent here)."""
     from flt import errors
     (tmp_path / "kept").mkdir()
     lock = checkpoint.claim_out_dir(str(tmp_path / "kept" / "a" / "run"), False, False)
@@ -298,5 +299,5 @@ def test_a_user_error_removes_the_run_directories_the_claim_made_while_unused(tm
     checkpoint.claim_out_dir(str(tmp_path / "used"), False, False)
     (tmp_path / "used" / "log.jsonl").write_text("{}\n")
     errors.report("train.py", ValueError("later"))
-    assert sorted(os.listdir(tmp_path / "used")) == ["log.jsonl", "run.lock"]
+    assert sorted(os.listdir(tmp_path / "used")) == ["log.jsonl"]
     assert not errors.UNDO

@@ -2,6 +2,7 @@
 time-based checkpoints, two torchrun "nodes" sharing (or not) out_dir, and a changed world size."""
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -94,8 +95,9 @@ def test_sigterm_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(tmp_
 
 def test_resume_auto_starts_fresh_or_continues(tmp_path, data_dir):
     out, args = tmp_path / "auto", ["--save_interval=2", "--sample_tokens=0", "--resume=auto"]
-    p = train(out, data_dir, "--num_steps=4", *args)  # absent: a fresh run
-    assert "resuming" not in p.stdout and sorted(losses(out)[0]) == [0, 1, 2, 3]
+    p = train(out, data_dir, "--num_steps=6", *args)  # absent: a fresh run
+    assert "resuming" not in p.stdout and sorted(losses(out)[0]) == list(range(6))
+    shutil.rmtree(out / "step_000006")  # as if preempted after step 4's checkpoint
     p = train(out, data_dir, "--num_steps=6", *args)  # holds a checkpoint: continued
     assert f"resuming from {out / 'step_000004'} (step 4)" in p.stdout and sorted(losses(out)[0]) == list(range(6))
     p = train(out, data_dir, "--num_steps=6", *args)  # finished: nothing to do, exit 0, nothing touched
@@ -159,7 +161,7 @@ def two_nodes(out_dirs, data_dir, *args, script="train.py", check=True):
 def test_two_nodes_train_save_and_resume(tmp_path, data_dir):
     out = tmp_path / "shared"
     two_nodes([out, out], data_dir, "--num_steps=4", "--save_interval=2", "--resume=auto")
-    two_nodes([out, out], data_dir, "--num_steps=6", "--save_interval=2", "--resume=auto")
+    two_nodes([out, out], data_dir, "--num_steps=6", "--save_interval=2", "--resume=True")
     by_step, records = losses(out)
     assert sorted(by_step) == list(range(6))
     assert not [r for r in records if "saved_world_size" in r]  # 2 ranks saved it, 2 resumed it: nothing resharded
@@ -176,10 +178,10 @@ def test_out_dir_not_shared_by_the_nodes_is_an_error(tmp_path, data_dir):
 def test_world_size_2_then_1_then_2(tmp_path, data_dir):
     out, args = tmp_path / "resized", ["--total_batch_size=256", "--save_interval=2", "--sample_tokens=0"]
     train(out, data_dir, "--num_steps=4", *args, script=runner(tmp_path), nproc=2)
-    p = train(out, data_dir, "--num_steps=6", "--resume=auto", *args)  # one rank: twice the accumulation
+    p = train(out, data_dir, "--num_steps=6", "--resume=True", *args)  # one rank: twice the accumulation
     assert "2 ranks saved" in p.stdout and "1 resume it: the optimizer state is resharded exactly" in p.stdout
     assert checkpoint.load_newest(str(out), rank_files=True)[1]["world_size"] == 1
-    p = train(out, data_dir, "--num_steps=8", "--resume=auto", *args, script=runner(tmp_path), nproc=2)
+    p = train(out, data_dir, "--num_steps=8", "--resume=True", *args, script=runner(tmp_path), nproc=2)
     by_step, records = losses(out)
     resized = [r for r in records if "saved_world_size" in r]
     assert [(r["step"], r["saved_world_size"]) for r in resized] == [(4, 2), (6, 1)]
