@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import csv
 import fcntl
+import filecmp
 import functools
 import importlib
 import inspect
@@ -29,6 +30,7 @@ import os
 import pathlib
 import pkgutil
 import random
+import re
 import shutil
 import socket
 import sys
@@ -231,8 +233,23 @@ def _rows(path):
 
 
 def _read_manifest(directory):
+    """directory's manifest.json, {shard name: {"bytes", "rows"}}; {} if there is none. A file of
+    another shape (a user's, another tool's, unreadable) is a ValueError naming it: it is never read
+    as empty, so never rewritten."""
     path = pathlib.Path(directory, MANIFEST)
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+        ours = isinstance(manifest, dict) and all(isinstance(v, dict) and {"bytes", "rows"} <= v.keys()
+                                                  for v in manifest.values())
+    except ValueError:  # not JSON, or not text
+        ours = False
+    if not ours:
+        raise ValueError(f"{path}: not this project's {MANIFEST} (a JSON object {{shard: {{\"bytes\", "
+                         f"\"rows\"}}}}), and it is never rewritten: move it out of {directory}, or choose "
+                         "another data_dir")
+    return manifest
 
 
 def write_manifest(directory, names):
@@ -292,6 +309,8 @@ def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1
     Shards already in data_dir must match its manifest; the manifest then records them all.
     """
     names = shard_names(n)
+    # a manifest.json that is not this project's: its own error, before any shard is looked at
+    recorded = _read_manifest(data_dir)
     try:
         todo = [name for name in verify_manifest(data_dir, names)
                 if not os.path.exists(os.path.join(data_dir, name))]
@@ -302,7 +321,7 @@ def download_shards(n, data_dir, base_url=DEFAULT_BASE_URL, retries=5, backoff=1
     # The space they need, before the first byte: a size the manifest recorded (a shard downloaded
     # before, since deleted), else SHARD_GB, less what this host's partial downloads already hold.
     # (Each download also checks its response's exact Content-Length before writing.)
-    recorded, needed = _read_manifest(data_dir), 0
+    needed = 0
     for name in todo:
         part = _part(os.path.join(data_dir, name))
         needed += recorded.get(name, {}).get("bytes", int(SHARD_GB * 1e9))
@@ -400,11 +419,31 @@ def _cache_problem(directory, names):
     return f"{unknown} missing or not in {MANIFEST}" if unknown else ""
 
 
+def _not_ours(out, built, names):
+    """The files in out, an embedded corpus about to be replaced by the one built in `built`, that this
+    project did not write, and that are so never removed. Its own: out's manifest.json, if it is this
+    project's, and the corpus shards (`names`) it lists; a file byte for byte the one just built;
+    data.py's tokenizer_bpe<N>.json, trained on these shards; the locks and temp files of those."""
+    try:
+        ours = {MANIFEST} | (_read_manifest(out).keys() & set(names))
+    except ValueError:  # a manifest.json that is not the project's vouches for nothing
+        ours = set()
+
+    def own(name):
+        base = name.split(".tmp.")[0].removesuffix(".lock")
+        if base in ours or re.fullmatch(r"tokenizer_bpe\d+\.json", base):
+            return True
+        twin = os.path.join(built, name)
+        return os.path.isfile(twin) and filecmp.cmp(twin, os.path.join(out, name), shallow=False)
+    return sorted(name for name in os.listdir(out) if not own(name))
+
+
 def embedded_corpus(data_dir):
     """Build (once, cached in data_dir/embedded/) the embedded corpus; return its shard paths.
 
     The cache is checked against its manifest on every call; the corpus is deterministic, so one
-    that does not match is rebuilt.
+    that does not match is rebuilt: built beside it, then put in its place if the folder holds only
+    the project's files (_not_ours); else a FileExistsError names the folder and the others.
     """
     out = os.path.join(data_dir, "embedded")
     names = [SHARD_NAME.format(i) for i in range(EMBEDDED_SHARDS)]
@@ -415,7 +454,6 @@ def embedded_corpus(data_dir):
             return paths
         if os.path.isdir(out):
             print(f"embedded corpus: {problem}; rebuilding it in {out}")
-            shutil.rmtree(out, ignore_errors=True)  # another host may be removing it too
         docs = _embedded_documents()
         random.Random(1234).shuffle(docs)  # mix topics and modules before splitting train/val
         total = sum(map(len, docs))  # the last documents, ~8% of the text, are the validation split
@@ -431,6 +469,16 @@ def embedded_corpus(data_dir):
             pq.write_table(pa.table({"text": pa.array(texts, pa.string())}),
                            os.path.join(tmp, SHARD_NAME.format(i)), row_group_size=EMBEDDED_ROW_GROUP)
         write_manifest(tmp, names)
+        if os.path.isdir(out):
+            foreign = _not_ours(out, tmp, names)
+            if foreign:
+                shutil.rmtree(tmp)
+                raise FileExistsError(f"embedded corpus: {out} needs rebuilding, and holds files this project "
+                                      f"did not write: {', '.join(foreign)}; move them out of {out} (or choose "
+                                      "another data_dir), and the corpus is rebuilt there")
+            # unless another host has put its build there meanwhile (the rename below then fails)
+            if _cache_problem(out, names):
+                shutil.rmtree(out, ignore_errors=True)  # another host may be removing it too
         try:
             os.rename(tmp, out)
         except OSError:  # another host renamed its build there first: the same corpus, so use it
@@ -463,11 +511,15 @@ def fetch_wikitext(url, data_dir):
 
 def fetch_bundle(bundle_dir, url):
     """bundle_dir if it exists, else the zip at url (a top-level eval_bundle/) unpacked there.
-    The unpacked directory is renamed into place, so a half-extracted bundle is never seen."""
+    The unpacked directory is renamed into place, so a half-extracted bundle is never seen. The zip
+    (<bundle_dir>.zip) is removed after if this call downloaded it; one that was there is kept."""
     if os.path.isdir(bundle_dir):
         return bundle_dir
-    zip_path = download(url, os.path.normpath(bundle_dir) + ".zip",  # creates bundle_dir's parent
-                        hint="offline? put the zip at that path, or give --bundle_dir=<the unpacked eval_bundle>")
+    zip_path = os.path.normpath(bundle_dir) + ".zip"
+    # a zip put there by hand (or another host) is kept: only one this call downloads is removed
+    placed = os.path.exists(zip_path)
+    download(url, zip_path,  # creates bundle_dir's parent
+             hint="offline? put the zip at that path, or give --bundle_dir=<the unpacked eval_bundle>")
     try:
         z = zipfile.ZipFile(zip_path)
     except FileNotFoundError:  # another host sharing the directory unpacked it and removed the zip
@@ -486,8 +538,9 @@ def fetch_bundle(bundle_dir, url):
         except OSError:  # another host unpacked it there first: use that one
             if not os.path.isdir(bundle_dir):
                 raise
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(zip_path)
+    if not placed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(zip_path)
     return bundle_dir
 
 

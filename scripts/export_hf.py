@@ -19,6 +19,7 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     drafting.py              flt/drafting.py, generate's token choice and drafting, which it imports
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
+--force replaces a previous export only: never the run exported, a folder holding a run, or another folder.
 """
 import json
 import os
@@ -48,12 +49,41 @@ def write_json(path, obj):
         f.write("\n")
 
 
+def check_out(run, out, force):
+    """A ValueError naming out, before any work, unless out is absent or, with force, a previous export
+    (config.json of model_type "flt" and run.json): --force never replaces the run being exported, a
+    folder that holds a run (model.pt, log.jsonl, a step_*/model.pt), or any other folder or file."""
+    if not os.path.exists(out):
+        return
+    if not force:
+        raise ValueError(f"{out} already exists; choose another folder, or --force to replace it")
+    # the run, a file or folder in out, or out itself (links followed)
+    if os.path.commonpath([os.path.realpath(run), os.path.realpath(out)]) == os.path.realpath(out):
+        raise ValueError(f"{out}: the run being exported ({run}) or a folder holding it; --force never "
+                         "replaces it: choose another folder")
+    if os.path.isdir(out):
+        held = [name for name in ("model.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
+        held += [f"{d}/model.pt" for d in sorted(os.listdir(out)) if d.startswith("step_")
+                 and os.path.exists(os.path.join(out, d, "model.pt"))]
+        if held:
+            raise ValueError(f"{out}: holds a training run ({', '.join(held[:3])}); --force replaces only a "
+                             "previous export: choose another folder")
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            exported = json.load(f).get("model_type") == "flt" and os.path.isfile(os.path.join(out, "run.json"))
+    except (OSError, ValueError, AttributeError):
+        exported = False
+    if not exported:
+        raise ValueError(f"{out}: not a previous export (config.json of model_type 'flt' and run.json); "
+                         "--force replaces only an export: choose another folder, or move it")
+
+
 def export(run, out, loops=None, force=False, log=print):
     """Write the folder `out` for the newest readable checkpoint at `run` (a run's out_dir or a step directory);
-    loops: the default K of the export (None: the run's). Returns out's absolute path."""
+    loops: the default K of the export (None: the run's). force: replace a previous export at out, and
+    nothing else (check_out). Returns out's absolute path."""
     out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise ValueError(f"{out} already exists; choose another folder, or --force to replace it")
+    check_out(run, out, force)
     model, meta = checkpoint.load_model(run, log=log)
     settings = meta.get("settings", {})
     config = asdict(GPTConfig(**asdict(model.config) | ({} if loops is None else {"loops": loops})))
@@ -93,7 +123,8 @@ def main(argv):
     p.add_argument("run", help="a run's out_dir (its newest readable step_*) or a step directory")
     p.add_argument("out", help="the folder to write (it must not exist, unless --force)")
     p.add_argument("--loops", type=int, default=None, help="the default K of the export; default: the run's")
-    p.add_argument("--force", action="store_true", help="replace <out> if it exists")
+    p.add_argument("--force", action="store_true", help="replace <out> if it is a previous export (never a run "
+                   "or any other folder)")
     args = p.parse_args(argv)
     if not os.path.exists(args.run):
         raise FileNotFoundError(f"run {args.run!r}: no such directory")

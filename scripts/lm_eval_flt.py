@@ -7,9 +7,10 @@ EleutherAI's lm-evaluation-harness (lm-eval 0.4.13) on a looped checkpoint, at s
 
 --run is a run's out_dir (its newest readable step_*) or a step directory, read with the
 tokenizer.json saved beside the weights and run in the dtype it trained with, as eval.py does. The
-harness runs once per K, largest first; the command prints one table (a row per task and metric, a
-column per K) and writes every K's harness results to one JSON file (--output_path; default
-<step dir>/lm_eval.json).
+harness runs once per K, largest first; the command merges every K's harness results into one JSON
+file (--output_path; default <step dir>/lm_eval.json) by (K, task), as eval.py merges into eval.json,
+so a run of other tasks keeps the earlier ones, and prints the table of all it holds (a row per task
+and metric, a column per K). A file there that is not this script's is refused before any work.
 
 One pass for every K (eval.py's budget sweep): each loop's output h(K) is a prediction point, so a
 loglikelihood request scored at max(loops) has its score at every smaller K in the same forward
@@ -239,19 +240,53 @@ def generation_tasks(names, task_manager):
 
 
 def table(results):
-    """A Markdown table of {K: simple_evaluate's results}: a row per task and metric, a column per K."""
+    """A Markdown table of lm_eval.json's results ({K: {task: {"results": the harness's metrics, ...}}}):
+    a row per task and metric, a column per K, a blank cell where the task did not run at that K."""
     rows = {}
-    for K, r in sorted(results.items()):
-        for task, metrics in r["results"].items():
-            for key, value in metrics.items():
+    for K, by_task in results.items():
+        for task, entry in by_task.items():
+            for key, value in entry["results"].items():
                 metric, _, kind = key.partition(",")
                 if kind and "_stderr" not in metric and isinstance(value, (int, float)):
                     name = metric if kind == "none" else f"{metric} ({kind})"
-                    rows.setdefault((task, name), {})[K] = value
-    head = ["task", "metric", *(f"K={K}" for K in sorted(results))]
-    lines = [head, ["---"] * len(head)] + [[task, name, *(f"{v.get(K, float('nan')):.4f}" for K in sorted(results))]
+                    rows.setdefault((task, name), {})[K] = f"{value:.4f}"
+    head = ["task", "metric", *(f"K={K}" for K in results)]
+    lines = [head, ["---"] * len(head)] + [[task, name, *(v.get(K, "") for K in results)]
                                           for (task, name), v in rows.items()]
     return "".join("| " + " | ".join(line) + " |\n" for line in lines)
+
+
+# ----------------------------------------------------------------------------- lm_eval.json
+# lm_eval.json accumulates as eval.json does (flt/report.py: merge), by (K, task): results[K][task]
+# holds the task's entry of each section of the harness's results (results, configs, n-samples, ...);
+# runs[time] a run's settings and, per K, the seconds it took and the harness's other sections.
+def by_task(r):
+    """simple_evaluate's results r as ({task: {section: r[section][task]}}, the other sections): a
+    section is by task when it has an entry for a task of r["results"]."""
+    tasks = r["results"].keys()
+    keyed = [section for section, v in r.items() if isinstance(v, dict) and v.keys() & tasks]
+    entries = {task: {section: r[section][task] for section in keyed if task in r[section]} for task in tasks}
+    return entries, {section: v for section, v in r.items() if section not in keyed}
+
+
+def read_own(path, record):
+    """What the lm_eval.json at path holds (report.read_results), None if there is none yet. A file
+    that is not this script's (another tool's, unreadable, an older lm_eval_flt's single run), or
+    holds another checkpoint's results, is a FileExistsError naming it: never replaced."""
+    if not os.path.exists(path):
+        return None
+    try:
+        doc = report.read_results(path)
+        ours = all(isinstance(e, dict) and "results" in e for r in doc["results"].values() for e in r.values())
+    except ValueError:
+        ours = False
+    if not ours:
+        raise FileExistsError(f"{path}: not an lm_eval.json of scripts.lm_eval_flt, and it would be replaced: "
+                              "move the file, or give --output_path another file")
+    if not report.same_checkpoint(doc, record):
+        raise FileExistsError(f"{path}: holds the results of {doc.get('checkpoint')} (step {doc.get('step')}), "
+                              f"not of {record['checkpoint']}: give --output_path another file")
+    return doc
 
 
 def parse(argv):
@@ -301,6 +336,9 @@ def main(argv):
     lm, meta = load(args.run, args.loops, args.device, args.dtype, args.exit_threshold, args.batch_size,
                     cache_slots=args.cache_slots)
     path = args.output_path or os.path.join(meta["path"], "lm_eval.json")
+    record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(args), "time": report.now()}
+    # a file there that is not this script's: refused before any work
+    read_own(path, record)
     config = lm.model.config
     print(f"{meta['path']} (step {meta.get('step')}): {config.variant}, trained at K={config.loops}; tasks {tasks} "
           f"at K in {args.loops}: the harness once per K, largest first, every K's loglikelihoods in the first",
@@ -313,10 +351,16 @@ def main(argv):
                                          batch_size=args.batch_size, log_samples=False)
         seconds[K] = took.seconds
         print(f"K={K}: done in {report.minutes(seconds[K])}", flush=True)
-    record = {"checkpoint": meta["path"], "step": meta.get("step"), "settings": vars(args), "seconds": seconds,
-              "table": table(results), "results": {str(K): results[K] for K in sorted(results)}}
-    runtime.atomic_write(path, json.dumps(record, indent=1, default=handle_non_serializable))
-    print("\n" + record["table"] + f"written to {path}")
+    # merged into what the file holds, by (K, task); another lm_eval_flt of this checkpoint merges in turn
+    entries, measured = {}, {}
+    for K in sorted(results):
+        entries[K], rest = by_task(results[K])
+        measured[K] = {"seconds": seconds[K], **rest}
+    with corpus.locked(path):
+        doc = report.merge(read_own(path, record), record, entries, measured)
+        doc["table"] = table(doc["results"])
+        runtime.atomic_write(path, json.dumps(doc, indent=1, default=handle_non_serializable))
+    print("\n" + doc["table"] + f"written to {path}")
     return results
 
 

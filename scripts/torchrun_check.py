@@ -15,6 +15,8 @@ Nothing is fetched: the data is the embedded corpus and its BPE in data_dir (bui
 carry them to a machine without network). On CUDA the BPE is padded with ids no text produces up
 to Qwen3's vocabulary, so the LM head has the paper's shape. It prints a table and writes it as
 JSON (--out, default <out_dir>/torchrun_check.json) after every step. docs/testing.md has the table.
+A rerun replaces the runs it wrote in out_dir (its .torchrun_check there says so); an out_dir that
+holds other files, or an --out that is not its JSON, is refused before any work.
 """
 import json
 import os
@@ -47,6 +49,35 @@ LOOPS = 9
 # the tiny size (train.py settings), on CPU in fp32 without compilation
 TINY = ["--depth=1", "--sequence_len=32", "--device_batch_size=2", "--total_batch_size=256",
         "--device=cpu", "--dtype=fp32", "--compile=off"]
+
+
+# In out_dir: the folder is this script's, and a rerun replaces the runs it wrote there
+MARK = ".torchrun_check"
+
+
+def claim(folder, path):
+    """Make folder (out_dir) this script's, if it is new, empty or already its own (MARK); a
+    FileExistsError naming it if it holds other files, whose runs (run/, resumed/) a rerun would
+    replace, or if the JSON's path holds a file that is not this script's JSON."""
+    held = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if held and MARK not in held:
+        raise FileExistsError(f"--out_dir={folder}: holds files torchrun_check did not write "
+                              f"({', '.join(held[:3])}), and a rerun replaces its runs there: choose "
+                              "another --out_dir, or an empty one")
+    try:
+        with open(path) as f:
+            meta = json.load(f)["meta"]
+        ours = isinstance(meta, dict) and "tiny" in meta
+    except FileNotFoundError:
+        ours = True
+    except (OSError, ValueError, KeyError, TypeError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"--out={path}: not a torchrun_check JSON, and it would be replaced: "
+                              "choose another --out, or move the file")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, MARK), "w") as f:
+        f.write("written by python -m scripts.torchrun_check: a rerun replaces its runs here\n")
 
 
 def padded_tokenizer(bpe_path, path, size):
@@ -203,9 +234,12 @@ def main():
         raise ValueError(f"--device_batch_size={device_batch_size} does nothing with --tiny (its "
                          "device batch is 2): remove it")
     errors.directory("--data_dir", data_dir)
+    errors.directory("--out_dir", out_dir)
     if out:
         errors.output_file("--out", out)
     path = out or os.path.join(out_dir, "torchrun_check.json")
+    # a folder of other files, or another file at --out: refused, before any work
+    claim(out_dir, path)
     # the data first: nothing is written before it is there
     batch = TINY if tiny else [f"--device_batch_size={device_batch_size}"]
     common = [*DATA, *batch, *prepare_data(), f"--data_dir={data_dir}",

@@ -130,7 +130,7 @@ def test_train_py_mistakes_are_one_line_each(tmp_path):
     torch_version = __import__("torch").__version__
     mistakes = [
         ([f"--out_dir={run}"], f"ValueError: out_dir={run!r} already holds a run (log.jsonl): continue it with "
-                               "--resume, choose another --out_dir, or delete it with --overwrite"),
+                               "--resume, choose another --out_dir, or replace it with --overwrite"),
         (["--device=cuda"], f"ValueError: device='cuda', but this torch ({torch_version}) sees no CUDA device; "
                             "use --device=cpu"),
         (["--loops=0"], "ValueError: loops=0: expected a positive integer"),

@@ -247,11 +247,13 @@ def test_command_prints_one_table_and_writes_one_json(run, tmp_path):
                "flt_ppl": ("word_perplexity", "byte_perplexity", "bits_per_byte")}
     assert [(task, metric) for task, metric, *_ in rows] == [(t, m) for t, ms in metrics.items() for m in ms]
     for task, metric, *cells in rows:  # each cell is that K's number in the JSON
-        assert cells == [f"{record['results'][K]['results'][task][f'{metric},none']:.4f}" for K in ("1", "3")]
+        assert cells == [f"{record['results'][K][task]['results'][f'{metric},none']:.4f}" for K in ("1", "3")]
+    # by (K, task), each task's entry of the harness's sections; the rest under the run, per K
+    [measured] = [r["measured"] for r in record["runs"].values()]
     for K in ("1", "3"):
-        assert record["results"][K]["n-samples"]["flt_mc"]["effective"] == 4  # --limit
-        assert record["results"][K]["configs"]["flt_gen"]["generation_kwargs"]["max_gen_toks"] == 2  # --gen_kwargs
-        assert record["results"][K]["config"]["K"] == int(K)
+        assert record["results"][K]["flt_mc"]["n-samples"]["effective"] == 4  # --limit
+        assert record["results"][K]["flt_gen"]["configs"]["generation_kwargs"]["max_gen_toks"] == 2  # --gen_kwargs
+        assert measured[K]["config"]["K"] == int(K) and measured[K]["seconds"] > 0
 
 
 # ----------------------------------------------------------------------------- errors
