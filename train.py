@@ -61,6 +61,8 @@ grad_clip = 1.0
 seed = 1337
 # The data: text, or a reasoning task of flt/tasks.py (task_difficulty: its knob)
 dataset = "embedded"        # embedded (Python's docs, no network) | fineweb | s3 | s5 | chains
+#                             | your text: a folder, file or glob (flt/owndata.py, docs/own-data.md)
+val_dataset = ""            # your text held out (empty: 1 document in 20, by its hash)
 task_difficulty = 8
 data_dir = "data"
 num_shards = corpus.AUTHORS_TRAIN_SHARDS  # fineweb's training shards; -1 = as the horizon needs
@@ -338,7 +340,7 @@ while True:
     record.update(diagnostics.speed(total_batch_size, dt, flops_per_token, peak, world_size,
                                     memory=cuda and step < start_step + 10))
     if step % log_interval == 0:
-        print0(diagnostics.step_line(record, num_steps))
+        print0(diagnostics.step_line(record, num_steps, timer))
     log.write(record)
     guard.watch_divergence(step, train_loss)
     step += 1

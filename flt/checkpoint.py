@@ -43,6 +43,7 @@ from dataclasses import asdict, fields
 
 import torch
 
+import data
 from model import GPT, GPTConfig
 from flt import errors, runtime
 
@@ -140,6 +141,20 @@ def load_model(path, device="cpu", log=print):
     model.load_state_dict(meta.pop("model"))
     meta["path"] = step_dir
     return model.to(device), meta
+
+
+def run_tokenizer(meta):
+    """The tokenizer a checkpoint's weights were trained with (load_model's meta): the
+    tokenizer.json beside them, with the run's document token."""
+    bos = meta.get("settings", {}).get("bos_token", data.BOS)
+    return data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"), bos=bos)
+
+
+def load_run(path, device="cpu", log=print):
+    """(model, tokenizer, meta) of a run (its newest readable checkpoint), a step directory or an
+    exported folder: what your own code needs to turn a prompt into text (docs/own-data.md)."""
+    model, meta = load_model(path, device, log)
+    return model.eval(), run_tokenizer(meta), meta
 
 
 def _read_json(path):

@@ -16,26 +16,42 @@ outlast a collective's timeout); file locks make one process do each piece of wo
 import os
 
 import data
-from flt import corpus, planning, tasks
+from flt import corpus, owndata, planning, tasks
 
 
 def vocab_size(s):
-    """The tokenizer's vocabulary size, before the shards are known (see the module's docstring)."""
+    """The tokenizer's vocabulary size, before the shards are known (see the module's docstring).
+    Your own data (flt/owndata.py) is converted here, and what it holds printed with its tokens."""
     bpe = s["tokenizer"] == "bpe"
     if s["dry_run"] or s["dataset"] in tasks.TASKS or (bpe and s["dataset"] == "fineweb"):
         return planning.planned_vocab(s)
+    if owndata.is_own(s["dataset"]):
+        tok = tokenizer(s, shards(s, 0)[:-1])
+        print(owndata.describe(s["dataset"], s["val_dataset"], tok), flush=True)
+        return tok.vocab_size
     train_files = corpus.embedded_corpus(s["data_dir"])[:-1] if bpe else None
     return tokenizer(s, train_files).vocab_size
 
 
 def shards(s, tokens):
     """The shard paths, the validation shard last: the embedded corpus (built once, cached in
-    data_dir), or the FineWeb-Edu shards that `tokens` training tokens need (num_shards)."""
+    data_dir), your own data's (converted once, cached in data_dir: flt/owndata.py), or the
+    FineWeb-Edu shards that `tokens` training tokens need (num_shards)."""
     if s["dataset"] in tasks.TASKS:
         return []
     if s["dataset"] == "embedded":
         return corpus.embedded_corpus(s["data_dir"])
+    if owndata.is_own(s["dataset"]):
+        return owndata.prepare(s["dataset"], s["val_dataset"], s["data_dir"])
     return corpus.download_shards(planning.training_shards(s, tokens), s["data_dir"])
+
+
+def val_shard(trained, data_dir):
+    """The validation shard a run held out (eval.py's): its own data's, converted again from the
+    files its settings name if need be (nothing downloaded), else corpus.val_shard's."""
+    if owndata.is_own(trained.get("dataset", "embedded")):
+        return owndata.prepare(trained["dataset"], trained.get("val_dataset", ""), data_dir)[-1]
+    return corpus.val_shard(trained, data_dir)
 
 
 def tokenizer(s, train_files):

@@ -15,6 +15,7 @@ from flt import checkpoint
 from flt import corpus
 from flt import errors
 import data
+from flt import owndata
 from flt import tasks
 from flt import tracking
 from model import ATTNS, VARIANTS
@@ -131,7 +132,9 @@ def check_settings(s, defaults):
             bad(key, "-1 (automatic) or a positive integer" if key != "watch_layer" else "-1 or a layer index")
     if s["watch_layer"] >= s["depth"]:
         bad("watch_layer", f"a layer index below depth={s['depth']}, or -1")
-    for key, allowed in (("compile", ("auto", "on", "off")), ("dataset", ("embedded", "fineweb", *tasks.TASKS)),
+    if owndata.is_own(s["dataset"]):  # your own files: they must exist, of kinds it reads
+        owndata.files_of(s["dataset"])
+    for key, allowed in (("compile", ("auto", "on", "off")),
                          ("horizon_params", ("all", "non_embedding")), ("loops_sampler", LOOP_SAMPLERS),
                          ("variant", VARIANTS), ("attn", ATTNS)):
         if s[key] not in allowed:
@@ -160,6 +163,8 @@ def check_settings(s, defaults):
     for key, inert, why in (("kv_rank", s["attn"] != "mla", "unless attn='mla'"),
                             ("horizon_params", s["num_steps"] != -1, "unless num_steps=-1"),
                             ("num_shards", s["dataset"] != "fineweb", "unless dataset='fineweb'"),
+                            ("val_dataset", not owndata.is_own(s["dataset"]),
+                             "unless dataset is your own files (a folder, file or glob)"),
                             ("bpe_vocab_size", s["tokenizer"] != "bpe", "unless tokenizer='bpe'"),
                             ("divergence_nats", s["divergence_window"] == 0, "unless divergence_window > 0"),
                             ("loss_all_loops", s["loops"] == 1 and fixed, "with loops=1"),
@@ -176,7 +181,8 @@ def check_settings(s, defaults):
                             ("bptt_loops", fixed and s["bptt_loops"] >= s["loops"],
                              "with loops_sampler='fixed' unless below loops")):
         if inert and s[key] != defaults[key]:
-            raise ValueError(f"{key}={s[key]!r} does nothing {why}: remove it, or set what it needs")
+            raise ValueError(f"{key}={s[key]!r} does nothing {why}: remove it (or a config file's "
+                             f"value: --{key}={defaults[key]!r}, its default), or set what it needs")
     # the paths, before out_dir is claimed or anything is built there
     errors.directory("data_dir", s["data_dir"])
     tokenizer = s["tokenizer"]
@@ -207,8 +213,9 @@ def resume_changes(saved, s, path):
 
 
 def out_dir_of(s):
-    """out_dir, or out_root/<size>_<variant>_k<loops>[_<attention>][_<sampler>], e.g. out/base_flt_k9: one
-    directory per run, named by what makes it different, so a grid of runs never collides."""
+    """out_dir, or out_root/<size>[_ar<aspect_ratio>]_<variant>_k<loops>[_<attention>][_<sampler>][_<data>],
+    e.g. out/base_flt_k9: one directory per run, named by what makes it different, so a grid of runs
+    never collides; <data>: a task's name, or your own data's (owndata.name_of)."""
     if s["out_dir"]:
         return s["out_dir"]
     size = {6: "small", 12: "base"}.get(s["depth"], f"d{s['depth']}")
@@ -217,6 +224,7 @@ def out_dir_of(s):
         (f"_swa_{s['window_pattern']}" if s["window_pattern"] != "L" else "") + \
         (f"_{s['loops_sampler']}" if s["loops_sampler"] != "fixed" else "")
     task = f"_{s['dataset']}" if s["dataset"] in tasks.TASKS else ""
+    task += f"_{owndata.name_of(s['dataset'])}" if owndata.is_own(s["dataset"]) else ""
     return os.path.join(s["out_root"], f"{size}_{s['variant'].lower()}_k{s['loops']}{attention}{task}")
 
 
@@ -279,6 +287,8 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
                                  f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "
                                  f"for {tokens:.2e}" if shards else "the embedded corpus"
                                  if s["dataset"] == "embedded" else
+                                 f"{owndata.describe(s['dataset'], s['val_dataset'])} (tokens: once its "
+                                 f"tokenizer is there)" if owndata.is_own(s["dataset"]) else
                                  f"{s['dataset']} items, generated from the seed") + "\n"
             f"  memory/GPU  device_batch_size={s['device_batch_size']}, {dtype}, {gpus} GPUs (estimate, GiB):\n"
             f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "

@@ -8,6 +8,7 @@ import inspect
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,10 +88,12 @@ def test_config_applies_with_any_variant_and_attention(name, flags, monkeypatch)
 # ----------------------------------------------------------------------------- the documented commands
 def expand(text, cwd):
     """The python and torchrun commands a piece of shell runs, as argument lists, its loops and braces
-    expanded by bash itself. Both only print their arguments; nothing else can run (no PATH)."""
-    script = "".join(f"{r}() {{ printf '%s\\0' {r} \"$@\"; echo; }}\n" for r in ("python", "torchrun"))
-    p = subprocess.run(["/bin/bash", "-c", script + text], env={"PATH": "/nonexistent"}, cwd=cwd,
-                       capture_output=True, text=True, timeout=30)
+    expanded by bash itself. Both only print their arguments; nothing else can run (no PATH), but
+    for `python -c`, a value a page computes (the standard library's folder): it runs as written."""
+    script = "torchrun() { printf '%s\\0' torchrun \"$@\"; echo; }\n"
+    script += 'python() { if [ "$1" = -c ]; then "$PYTHON" "$@"; else printf \'%s\\0\' python "$@"; echo; fi; }\n'
+    p = subprocess.run(["/bin/bash", "-c", script + text], env={"PATH": "/nonexistent", "PYTHON": sys.executable},
+                       cwd=cwd, capture_output=True, text=True, timeout=30)
     return [line.split("\0")[:-1] for line in p.stdout.split("\n")[:-1]]
 
 

@@ -57,11 +57,15 @@ SHELL = {"k": "9", "s": "base", "v": "FLT", "NODE_RANK": "0", "HOST": "localhost
 # what the pages assume a reader has, which no documented command makes
 GIVEN = ("home/.cache/nanochat/base_checkpoints/FLT_L9_D12_END_attnfull/", "qwen3/tokenizer.json")
 BASH = shutil.which("bash")
+# a variable the later lines of a page use, computed by `python -c` (the standard library's folder):
+# run too, so that they see it; it runs no program of the project
+COMPUTED = re.compile(r"[A-Z_]+=\$\(python -c .*\)")
 # the stand-ins: python and torchrun print their arguments (unit separator between, record
-# separator after); srun runs its command; pip installs nothing
+# separator after), but `python -c`, a value a page computes (the standard library's folder), runs;
+# srun runs its command; pip installs nothing
 STAND_INS = r"""
 shown() { local a; for a in "$@"; do printf '%s\037' "$a"; done; printf '\036'; }
-python() { shown python "$@"; }
+python() { if [ "$1" = -c ]; then "$PYTHON" "$@"; else shown python "$@"; fi; }
 torchrun() { shown torchrun "$@"; }
 srun() { "$@"; }
 pip() { :; }
@@ -72,7 +76,7 @@ pip() { :; }
 def is_command(line):
     words = line.split()
     starts = words and (words[0] in FIRST_WORDS or re.fullmatch(r"[A-Z_]+=\S*", words[0]))
-    return bool(starts) and bool(PROGRAM.search(line))
+    return (bool(starts) and bool(PROGRAM.search(line))) or bool(COMPUTED.fullmatch(line))
 
 
 def shell_lines(block, first_line):
@@ -130,7 +134,8 @@ def documented():
 def expand(lines, world):
     """[the command lines each line of shell runs], bash expanding them in the folder `world`, all in
     one shell, each line alone (eval) so that a mistake in one leaves the others."""
-    env = {"PATH": os.path.join(world, "no programs"), "HOME": os.path.join(world, "home"), **SHELL}
+    env = {"PATH": os.path.join(world, "no programs"), "HOME": os.path.join(world, "home"),
+           "PYTHON": sys.executable, **SHELL}
     script = STAND_INS + "".join(f"eval {shlex.quote(line)}\nprintf '\\035'\n" for line in lines)
     p = subprocess.run([BASH, "--noprofile", "--norc", "-c", script], cwd=world, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -324,6 +329,6 @@ def test_the_pages_show_commands_of_every_program(world):
 def test_the_documented_command_passes_its_checks(where, line, run, world, monkeypatch):
     folder, expanded = world
     monkeypatch.chdir(folder)
-    assert expanded[run], f"{where}: bash ran nothing of: {run}"
+    assert expanded[run] or COMPUTED.fullmatch(run), f"{where}: bash ran nothing of: {run}"
     failures = [f"{' '.join(argv)}\n    {why}" for argv in expanded[run] if (why := check(argv))]
     assert not failures, f"{where}: {line}\n  " + "\n  ".join(failures)

@@ -227,7 +227,7 @@ def test_bad_values_fail_before_data_naming_the_setting(changes, match):
     (dict(bptt_loops=3), "bptt_loops=3 does nothing with loops_sampler='fixed' unless below loops"),
 ])
 def test_a_setting_that_would_do_nothing_is_refused(changes, match):
-    with pytest.raises(ValueError, match=re.escape(match) + ": remove it, or set what it needs"):
+    with pytest.raises(ValueError, match=re.escape(match) + ": remove it \\(or a config file's value: --"):
         planning.check_settings(DEFAULTS | changes, DEFAULTS)
 
 

@@ -117,7 +117,7 @@ def test_configurator_file_errors(tmp_path):
 
 @pytest.mark.parametrize("arg, error", [
     ("--compile=maybe", "ValueError: compile='maybe': expected 'auto' or 'on' or 'off'"),
-    ("--kv_rank=64", "ValueError: kv_rank=64 does nothing unless attn='mla': remove it, or set what it needs")])
+    ("--kv_rank=64", "ValueError: kv_rank=64 does nothing unless attn='mla': remove it (or a config file's value: --kv_rank=128, its default), or set what it needs")])
 def test_bad_or_inert_setting_stops_train_py_before_any_work(tmp_path, arg, error):
     p = train(tmp_path / "o", tmp_path / "data", arg, check=False)
     assert p.returncode == 1 and p.stderr.rstrip().endswith(error), p.stderr[-1500:]
