@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 from configurator import settings_of
 from flt import core, corpus, errors, eval_settings, report, runtime, tracking
 from flt.checkpoint import load_model
-from flt.modes import OFFLINE, Job, estimate, plan
+from flt.modes import OFFLINE, Job, estimate, plan, shared_cpu
 from flt.runtime import print0
 from model import ROPE_SPAN
 
@@ -63,6 +63,8 @@ bundle_url = core.BUNDLE_URL
 max_per_task = -1               # CORE items per task after the seeded shuffle;
                                 # -1 = all (as nanochat)
 sample_tokens = 48              # sample mode: tokens generated per prompt and K
+prompt = ""                     # sample mode: the prompts, '|' between two (a prompt holds
+                                # commas, never a '|'); empty = flt/modes.py: SAMPLE_PROMPTS
 temperature = 0.0               # sample mode: 0 = greedy
 wandb = False                   # also log the results to the run's W&B run
                                 # (train.py's wandb_project)
@@ -70,7 +72,7 @@ seed = 42                       # sample mode: sampling seed when temperature > 
 cache_slots = None              # sample mode: KV cache loop slots per layer, 1..K; None = K (exact)
 draft_loops = None              # sample mode: draft with K_d < K loops, verify with all K
 draft_len = 4                   # sample mode: tokens drafted a round (with draft_loops)
-out = ""                        # JSON path; empty = <step dir>/eval.json (eval.md beside it)
+out = ""                        # JSON path, not .md; empty = <step dir>/eval.json (eval.md beside)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
 task_items = 2048               # tasks mode: the held-out items scored (the test set's first N)
@@ -348,6 +350,8 @@ def main(argv):
     # what the modes share: the model, its tokenizer and numerics, this process (flt/modes.py)
     job = Job(settings, model.eval(), meta, rt, loops_list, thresholds)
     json_path = settings.out or os.path.join(meta["path"], "eval.json")
+    # eval.md beside it: refused here, before any work, if eval.py did not write it (report.py)
+    md_path = report.check_table(json_path)
     print0(f"{meta['path']} (step {meta.get('step')}): {model.config.variant}, trained at K="
            f"{model.config.loops}; evaluating K in {loops_list} on {rt.device}, world {rt.world}")
 
@@ -362,12 +366,10 @@ def main(argv):
             print0(f"plan {mode:<6} cannot run: {errors.explained(e)}", file=sys.stderr)
             continue
         print0(f"plan {mode:<6} {planned[mode].line}")
-    # the time each should take, from a first forward of its kind
+    # the time each should take, from forwards of its kind timed: their mean, and the spread
     if planned:
         expected = estimate(settings, job, planned)
-        print0("estimate (from the first forwards): "
-               + ", ".join(f"{m} ~{report.minutes(s)}" for m, s in expected.items())
-               + f"; in all ~{report.minutes(sum(expected.values()))}")
+        print0(report.estimates(expected, shared_cpu(rt.device)))
 
     # each mode run, then merged into eval.json by (K, metric), so a later failure keeps it. A
     # mode that fails is reported (a bug with its traceback), and the others still run
@@ -383,7 +385,7 @@ def main(argv):
             print0(f"eval.py: mode {mode!r} failed: {errors.explained(e)}", file=sys.stderr)
             continue
         print0(f"{mode} took {report.minutes(took.seconds)} "
-               f"(estimated ~{report.minutes(expected[mode])})")
+               f"(estimated {report.estimated(*expected[mode])})")
         for K, r in by_K.items():
             results[K].update(r)
         # on rank 0; another eval.py of this checkpoint merges in turn
@@ -395,7 +397,6 @@ def main(argv):
 
     # the table of what the file holds now: this run's entries and those of earlier runs
     if measured:
-        md_path = os.path.splitext(json_path)[0] + ".md"
         print0(f"\n{json_path} now holds:\n{report.summary(held)}written to {json_path} and "
                f"{md_path}")
     # all eval.json holds, to the run's W&B (flt/tracking.py)

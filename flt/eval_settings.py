@@ -17,7 +17,7 @@ from configurator import configure
 from flt import errors, tasks, tracking
 from flt.decoding import check_cache_slots
 from flt.drafting import check_draft
-from flt.modes import PLANS
+from flt.modes import PLANS, sample_prompts
 from flt.runtime import dtype_bytes
 
 # The settings only some modes read: given to a run of other modes they would do nothing, so they are
@@ -29,9 +29,9 @@ READ_BY = {"batch_size": ("bpb", "wiki", "core", "exit", "tasks"),
            "data_dir": ("bpb", "wiki", "core", "exit"),
            "wiki_path": ("wiki",), "wiki_url": ("wiki",),
            "bundle_dir": ("core",), "bundle_url": ("core",), "max_per_task": ("core",),
-           "sample_tokens": ("sample",), "temperature": ("sample",), "seed": ("sample",),
-           "cache_slots": ("sample",), "draft_loops": ("sample",), "draft_len": ("sample",),
-           "task_items": ("tasks",)}
+           "sample_tokens": ("sample",), "prompt": ("sample",), "temperature": ("sample",),
+           "seed": ("sample",), "cache_slots": ("sample",), "draft_loops": ("sample",),
+           "draft_len": ("sample",), "task_items": ("tasks",)}
 # Counts that must be positive integers
 COUNTS = ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch", "sample_tokens", "task_items")
 
@@ -70,6 +70,10 @@ def read(argv, defaults, source):
         dtype_bytes(settings.dtype)
     if settings.out:
         errors.output_file("--out", settings.out)
+        # the JSON's table goes to the .md beside it: the same file, were --out one
+        if os.path.splitext(settings.out)[1].lower() == ".md":
+            raise ValueError(f"--out={settings.out}: the JSON file, and eval.py writes its table to the "
+                             ".md beside it: give a .json path (e.g. results.json, its table results.md)")
     errors.directory("--data_dir", settings.data_dir)
     if settings.wandb:
         # installed? found before any model time is spent
@@ -122,9 +126,11 @@ def check_read(settings, defaults, run_modes):
 
 
 def check_sampling(settings, defaults, loops_list):
-    """The sample mode's settings: a temperature >= 0, a seed only when sampling, the cache's loop
-    slots (at most the smallest K), and drafting (drafting.check_draft) at each K above draft_loops,
-    of which there must be one: the other K decode without drafting."""
+    """The sample mode's settings: its prompts (modes.sample_prompts: none empty), a temperature
+    >= 0, a seed only when sampling, the cache's loop slots (at most the smallest K), and drafting
+    (drafting.check_draft) at each K above draft_loops, of which there must be one: the other K
+    decode without drafting."""
+    sample_prompts(settings.prompt)
     if settings.temperature < 0:
         raise ValueError(f"--temperature={settings.temperature!r}: expected 0 (greedy) or a positive "
                          "number")

@@ -7,7 +7,7 @@ apart, under metric[setting=value,...] (plan).
 
     job = modes.Job(settings, model, meta, rt, loops_list, thresholds)   # what the modes share
     planned = {mode: modes.plan(mode, settings, defaults, job) for mode in run_modes}
-    seconds = modes.estimate(settings, job, planned)                     # {mode: seconds}
+    seconds = modes.estimate(settings, job, planned)            # {mode: Span(low, mid, high)}
     by_K, measured = planned["bpb"].run()
 
 The metrics are eval.py's functions (evaluate_bpb, evaluate_exit, evaluate_ppl, evaluate_core,
@@ -15,6 +15,7 @@ evaluate_tasks, loop_losses), each imported by the mode that computes it when it
 imports this module first); the modes hold no arithmetic of their own.
 """
 import functools
+import itertools
 import os
 from types import SimpleNamespace
 from typing import Callable, NamedTuple
@@ -22,9 +23,10 @@ from typing import Callable, NamedTuple
 import torch
 
 import data
-from flt import corpus, report, runtime, tasks
+from flt import checkpoint, corpus, inputs, report, runtime, tasks
 from flt.runtime import print0
 
+# The sample mode's prompts, unless --prompt gives others: '|' between two, since prompts hold commas
 SAMPLE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,")
 # Where a mode's inputs are when it could not fetch them (no network): the settings that point at
 # local files
@@ -56,8 +58,7 @@ class Job:
         self.loops = loops
         self.thresholds = thresholds
         self.seq_len = model.config.sequence_len
-        self.tokenizer = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"),
-                                             bos=self.trained.get("bos_token", data.BOS))
+        self.tokenizer = checkpoint.run_tokenizer(meta)
         dtype = settings.dtype or self.trained.get("dtype", "fp32")
         self.numerics = runtime.precision(model, rt.device_type, dtype)
         self.data_dir = settings.data_dir or self.trained.get("data_dir", corpus.DEFAULT_DATA_DIR)
@@ -79,16 +80,23 @@ def validation(settings, job):
     if settings.val_files:
         files = settings.val_files.split(",")
     else:
-        shard = functools.partial(corpus.val_shard, job.trained, job.data_dir)
+        shard = functools.partial(inputs.val_shard, job.trained, job.data_dir)
         files = [runtime.rank0_first(job.rt, shard)]
     ranks, batch = settings.protocol_ranks, settings.protocol_batch
-    chunks, n_chunks = data.protocol_chunks(files, job.tokenizer, job.seq_len, settings.bpb_tokens,
-                                            ranks, batch, job.rank, job.world)
-    n_targets = sum(int((y >= 0).sum()) for _, y in chunks)
-    counts = torch.tensor([n_targets, len(chunks)], device=job.device)
-    runtime.all_reduce_sum(counts)
-    (targets, n), requested = counts.tolist(), n_chunks * batch * job.seq_len
     layout = f"as the authors' {ranks} ranks x batch {batch} cut it"
+    chunks, targets, n, requested = scored(files, job, settings.bpb_tokens, ranks, batch)
+    # Their layout gives each rank its own row groups: on a file of few or uneven row groups, a rank
+    # runs out while another stops at its share, and tokens that bpb_tokens asks for go unscored.
+    # One stream then scores min(bpb_tokens, all) of them: it is taken when it scores more than the
+    # ranks' chunk boundaries account for. A FineWeb run's own shard keeps their layout, always.
+    authors = not settings.val_files and job.trained.get("dataset") == "fineweb"
+    if targets < requested and not authors:
+        stream = scored(files, job, settings.bpb_tokens, 1, batch)
+        if stream[1] > targets + ranks:
+            layout = (f"in one stream at batch {batch}: the authors' {ranks} ranks would score "
+                      f"{targets:,}, its row groups being too few to share")
+            chunks, targets, n, requested = stream
+            ranks = 1
     if targets == requested:
         what = f"{targets:,} tokens of {files[-1]} ({layout})"
     else:
@@ -102,6 +110,18 @@ def validation(settings, job):
         forwards=f"{n_forwards:,} forwards of {settings.batch_size} x {job.seq_len}")
     job.tables = {count: job.tokenizer.token_bytes(count).to(job.device) for count in BYTE_COUNTS}
     return job.val
+
+
+def scored(files, job, n_tokens, ranks, batch):
+    """(this process's chunks, targets, chunks and tokens requested, summed over the processes) of
+    data.protocol_chunks at `ranks` simulated ranks of device batch `batch`."""
+    chunks, n_chunks = data.protocol_chunks(files, job.tokenizer, job.seq_len, n_tokens, ranks,
+                                            batch, job.rank, job.world)
+    n_targets = sum(int((y >= 0).sum()) for _, y in chunks)
+    counts = torch.tensor([n_targets, len(chunks)], device=job.device)
+    runtime.all_reduce_sum(counts)
+    targets, n = counts.tolist()
+    return chunks, targets, n, n_chunks * batch * job.seq_len
 
 
 def bpb_mode(settings, job):
@@ -181,10 +201,34 @@ def core_mode(settings, job):
                 f"K={job.loops[-1]}", n, run)
 
 
+def sample_prompts(value):
+    """The prompts of a --prompt setting: SAMPLE_PROMPTS for "", else the texts between its '|', each
+    as written (spaces too). An empty one ("a||b", a '|' at an end) is a ValueError."""
+    if not value:
+        return SAMPLE_PROMPTS
+    prompts = tuple(value.split("|"))
+    if "" in prompts:
+        raise ValueError(f"--prompt={value!r}: an empty prompt; expected one text, or several with "
+                         "'|' between two, e.g. --prompt='Once upon a time,|def main():'")
+    return prompts
+
+
 def sample_mode(settings, job):
-    """SAMPLE_PROMPTS continued at each K on rank 0, decoding cached; with draft_loops, each K above
-    it drafts (model.generate), the others decode without drafting. forwards: max(loops) steps."""
-    prompts = [(K, p) for K in job.loops for p in SAMPLE_PROMPTS] if job.rank == 0 else []
+    """The prompts (--prompt, else SAMPLE_PROMPTS) continued at each K on rank 0, decoding cached;
+    with draft_loops, each K above it drafts (model.generate), the others decode without drafting.
+    forwards: the decoding steps, in steps at max(loops)."""
+    texts = sample_prompts(settings.prompt)
+    # the tokens each is continued by: runtime.sample's, sample_tokens or what sequence_len leaves
+    steps = {}
+    for text in texts:
+        ids = 1 + len(job.tokenizer.encode(text))
+        if ids >= job.seq_len:
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            raise ValueError(f"--prompt: {shown!r} is {ids} tokens with its BOS, and the model reads "
+                             f"{job.seq_len} (sequence_len): at most {job.seq_len - 1}, so that a token "
+                             "can follow")
+        steps[text] = min(settings.sample_tokens, job.seq_len - ids)
+    prompts = [(K, p) for K in job.loops for p in texts] if job.rank == 0 else []
     draft_loops = settings.draft_loops
     drafted = [K for K in job.loops if draft_loops is not None and K > draft_loops]
 
@@ -208,8 +252,8 @@ def sample_mode(settings, job):
     undrafted = [str(K) for K in job.loops if draft_loops is not None and K not in drafted]
     if undrafted:
         drafts += f"; K={','.join(undrafted)} without drafting, which needs K > {draft_loops}"
-    forwards = sum(K * settings.sample_tokens for K, _ in prompts) / job.loops[-1]
-    return Plan(f"{len(SAMPLE_PROMPTS)} prompts x {settings.sample_tokens} tokens at each K in "
+    forwards = sum(K * steps[p] for K, p in prompts) / job.loops[-1]
+    return Plan(f"{len(texts)} prompts x {settings.sample_tokens} tokens at each K in "
                 f"{job.loops}, cached decoding ({cache} cache{drafts})", forwards, run)
 
 
@@ -273,41 +317,74 @@ def plan(mode, settings, defaults, job):
                 planned.forwards, run_labelled)
 
 
+# The estimate's sample: calls of each kind of forward timed, after one to warm up
+TIMED_CALLS = 5
+
+
+class Span(NamedTuple):
+    """A mode's estimated seconds: were every forward as fast as the fastest call timed (low), as
+    their mean (mid), as the slowest (high). On a shared machine the calls' spread is the noise."""
+    low: float
+    mid: float
+    high: float
+
+
+def span(forwards, seconds):
+    """The Span of `forwards` forwards, each call of `seconds` (one forward's time each) a sample."""
+    return Span(forwards * min(seconds), forwards * sum(seconds) / len(seconds),
+                forwards * max(seconds))
+
+
+def shared_cpu(device):
+    """(the 1-minute load average, this process's cores) where the forwards run on a CPU that more
+    runnable work than it has cores loads (this process's included), else None: there the time a
+    forward takes changes several-fold from one moment to the next, and the estimate says so."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return (load, cores) if torch.device(device).type == "cpu" and load > cores else None
+
+
 @torch.no_grad()
-def estimate(settings, job, planned):
-    """{mode: seconds} each planned mode should take: its forwards times one of its own kind, timed
-    at max(loops) on a batch_size x sequence_len batch (the best of two after a warm-up): the budget
-    sweep's (eval.loop_losses), the exit rule's forward for exit (its KL reads every loop's logits),
-    and for samples a decoding step's (20 tokens less 4, so that the prefill drops out)."""
+def estimate(settings, job, planned, calls=TIMED_CALLS):
+    """{mode: Span of seconds} each planned mode should take: its forwards times the time of one of
+    its own kind, timed `calls` times after one to warm up, at max(loops) on a batch_size x
+    sequence_len batch. The kinds: the budget sweep's (eval.loop_losses, the head at every K); the
+    exit rule's forward for exit (its KL reads every loop's logits), on text, where tokens exit
+    depending on it, each call at the next threshold; for samples a decoding step's (a generate
+    call's tokens after its first, whose time holds the prefill). The mean, not the fastest: on a
+    loaded machine the fastest call is the lucky one, and the mode runs at the mean."""
     from eval import loop_losses
     K_max = job.loops[-1]
     x = torch.zeros(settings.batch_size, job.seq_len, dtype=torch.long, device=job.device)
 
     def sweep():
-        return loop_losses(job.model, x, x, [K_max])
+        return runtime.timed(lambda: loop_losses(job.model, x, x, job.loops), job.device)
+
+    # the exit rule's text: the first validation batch (validation, the exit mode's plan built it)
+    text = job.val.batches[0][0].to(job.device) if job.val and job.val.batches else x
+    thresholds = itertools.cycle(job.thresholds)
 
     def exit_rule():
-        return job.model(x, loops=K_max, exit_threshold=job.thresholds[0], return_loops=True)
-
-    def decode(n):
-        return list(job.model.generate(x[:1, :8], n, loops=K_max, cache_slots=settings.cache_slots,
-                                       draft_loops=settings.draft_loops,
-                                       draft_len=settings.draft_len))
+        threshold = next(thresholds)
+        return runtime.timed(lambda: job.model(text, loops=K_max, exit_threshold=threshold,
+                                               return_loops=True), job.device)
 
     def step():
-        longer, shorter = functools.partial(decode, 20), functools.partial(decode, 4)
-        return best(longer, job.device) - best(shorter, job.device)
+        # a prompt of up to 8 tokens, and up to 17 tokens after it: 16 steps timed
+        prompt = x[:1, :min(8, job.seq_len // 2)]
+        n = min(17, job.seq_len - prompt.size(1))
+        tokens = job.model.generate(prompt, n, loops=K_max, cache_slots=settings.cache_slots,
+                                    draft_loops=settings.draft_loops, draft_len=settings.draft_len)
+        # the first token: the prefill's
+        next(tokens).item()
+        return runtime.timed(lambda: [t.item() for t in tokens], job.device) / (n - 1)
     kinds = {"exit": exit_rule, "sample": step}
     seconds = {}
     with job.numerics:
         for mode in planned:
             kind = kinds.get(mode, sweep)
             if kind not in seconds and (mode != "sample" or job.rank == 0):
-                seconds[kind] = step() / 16 if kind is step else best(kind, job.device)
-    return {mode: p.forwards * seconds.get(kinds.get(mode, sweep), 0.0) for mode, p in planned.items()}
-
-
-def best(work, device):
-    """The shorter of two timed calls of work() (runtime.timed), after one to warm up."""
-    work()
-    return min(runtime.timed(work, device), runtime.timed(work, device))
+                kind()
+                seconds[kind] = [kind() for _ in range(calls)]
+    return {mode: span(p.forwards, seconds.get(kinds.get(mode, sweep), [0.0]))
+            for mode, p in planned.items()}

@@ -3,9 +3,11 @@
 - Table 1, in one place: eval.py writes it (eval.md and eval.json's "table", a row per evaluated K)
   and `plot.py table` lays it out over runs (a row per run, the paper's numbers below).
 - eval.json and eval.md, written after every mode: each run's results merged into what the file holds
-  (write_results), read back by scripts.plot and eval.py --wandb (read_results).
-- eval.py's lines: a number per K (per_K), a duration (minutes), the closing line of a run whose
-  modes did not all run (failures).
+  (write_results; merge, which scripts.lm_eval_flt's lm_eval.json shares), read back by scripts.plot
+  and eval.py --wandb (read_results). An eval.md that is not eval.py's own is never replaced
+  (check_table).
+- eval.py's lines: a number per K (per_K), a duration (minutes), a time estimate (estimated,
+  estimates), the closing line of a run whose modes did not all run (failures).
 
     report.table({3: {"val_bpb": 0.898, ...}})           # eval.py's table
     report.markdown(["model", "K"], [["FLT", 9, *report.cells(report.values(r))]])
@@ -60,11 +62,15 @@ def cells(numbers, missing="-"):
     return [missing if v is None else f"{v * scale:.{digits}f}" for v, (_, _, scale, digits) in zip(numbers, COLUMNS)]
 
 
+def grid(headers, rows):
+    """A Markdown table: the headers, then the rows (lists of cells)."""
+    return "".join("| " + " | ".join(map(str, row)) + " |\n" + ("|---" * len(row) + "|\n" if i == 0 else "")
+                   for i, row in enumerate([headers, *rows]))
+
+
 def markdown(first, rows):
     """A Markdown table: headers `first` + COLUMNS' headers, then the rows (lists of cells)."""
-    lines = [[*first, *(header for header, *_ in COLUMNS)], *rows]
-    return "".join("| " + " | ".join(map(str, row)) + " |\n" + ("|---" * len(row) + "|\n" if i == 0 else "")
-                   for i, row in enumerate(lines))
+    return grid([*first, *(header for header, *_ in COLUMNS)], rows)
 
 
 def by_label(r):
@@ -155,27 +161,39 @@ def same_checkpoint(doc, record):
     return doc.get("step") == record["step"]
 
 
-def write_results(json_path, record, results, measured, write, log=print):
-    """Merge one run's results ({K: {metric: value}}) into json_path and rebuild eval.md beside it from
-    everything the file then holds. record: the run's {"checkpoint", "step", "settings", "time"} (its
-    key, now()); measured: {mode: what it measured}. write(path, text) writes each file: eval.py's
-    runtime.atomic_write, so a reader never sees half of one. A file there that is not an eval.json,
-    or holds another checkpoint's results, is renamed aside, never overwritten, and log says so."""
+def check_table(json_path):
+    """The Markdown table beside json_path (eval.json -> eval.md), which write_results rewrites
+    from what json_path holds. Rule: it is eval.py's own, and may be rewritten, when it holds
+    exactly the "table" of the eval.json of eval.py beside it, as eval.py writes the two together,
+    or, beside an eval.json that cannot be read (set aside with it, write_results), when it is a
+    table of eval.py's and nothing else. Anything else there (a user's notes, a table edited by hand,
+    a file with no eval.json beside it) is a FileExistsError naming it, found before any work.
+    Returns its path."""
+    md_path = os.path.splitext(json_path)[0] + ".md"
+    if not os.path.exists(md_path):
+        return md_path
+    with open(md_path, errors="replace") as f:
+        md = f.read()
+    try:
+        ours = md == read_results(json_path).get("table")
+    except ValueError:
+        ours = md.startswith(table({})) and all(line.startswith("|") for line in md.splitlines())
+    except OSError:  # no eval.json there
+        ours = False
+    if not ours:
+        raise FileExistsError(f"{md_path}: not the table eval.py wrote beside {json_path}, and eval.py "
+                              "would replace it: move the file, or give --out another name")
+    return md_path
+
+
+def merge(old, record, results, measured):
+    """One run's results ({K: {key: value}}) merged into old (read_results' doc; None: a new file) by
+    (K, key): a rerun replaces only the entries it computed again. record: the run's {"checkpoint",
+    "step", "settings", "time"} (its key, now()); measured: what it measured. A run none of whose
+    entries is left is dropped. Returns the new doc (without its table)."""
     doc = {"checkpoint": record["checkpoint"], "step": record["step"], "results": {}, "computed": {}, "runs": {}}
-    if os.path.exists(json_path):
-        try:
-            old, why = read_results(json_path), None
-        except ValueError as e:
-            old, why = None, str(e)
-        if old and not same_checkpoint(old, record):
-            why = (f"{json_path} holds the results of {old.get('checkpoint')} (step {old.get('step')}), not of "
-                   f"{record['checkpoint']} (step {record['step']})")
-        if why:
-            aside = f"{json_path}.{'other' if old else 'unreadable'}.{record['time'].replace(':', '')}"
-            os.rename(json_path, aside)
-            log(f"eval.py: {why}; kept it as {aside}, and {json_path} starts anew", file=sys.stderr)
-        else:
-            doc |= {key: old[key] for key in ("results", "computed", "runs")}
+    if old:
+        doc |= {key: old[key] for key in ("results", "computed", "runs")}
     for K, r in results.items():
         doc["results"].setdefault(str(K), {}).update(r)
         doc["computed"].setdefault(str(K), {}).update(dict.fromkeys(r, record["time"]))
@@ -184,9 +202,41 @@ def write_results(json_path, record, results, measured, write, log=print):
     doc["runs"] = {run: r for run, r in doc["runs"].items() if run in used}  # none replaced whole
     for key in ("results", "computed"):
         doc[key] = dict(sorted(doc[key].items(), key=lambda item: int(item[0])))
+    return doc
+
+
+def write_results(json_path, record, results, measured, write, log=print):
+    """Merge one run's results ({K: {metric: value}}) into json_path (merge) and rebuild eval.md beside it
+    from everything the file then holds. record: the run's {"checkpoint", "step", "settings", "time"};
+    measured: {mode: what it measured}. write(path, text) writes each file: eval.py's
+    runtime.atomic_write, so a reader never sees half of one. A file there that is not an eval.json,
+    or holds another checkpoint's results, is renamed aside (an unreadable one with its eval.md), never
+    overwritten, and log says so; an eval.md that is not eval.py's is a FileExistsError before
+    anything is written (check_table)."""
+    md_path = check_table(json_path)
+    old = None
+    if os.path.exists(json_path):
+        try:
+            old, why = read_results(json_path), None
+        except ValueError as e:
+            why = str(e)
+        if old and not same_checkpoint(old, record):
+            why = (f"{json_path} holds the results of {old.get('checkpoint')} (step {old.get('step')}), not of "
+                   f"{record['checkpoint']} (step {record['step']})")
+        if why:
+            aside = f"{json_path}.{'other' if old else 'unreadable'}.{record['time'].replace(':', '')}"
+            os.rename(json_path, aside)
+            kept = f"kept it as {aside}"
+            # the table beside an unreadable file may be the only readable copy of its numbers
+            if not old and os.path.exists(md_path):
+                os.rename(md_path, md_path + aside[len(json_path):])
+                kept += f" (its table as {md_path + aside[len(json_path):]})"
+            log(f"eval.py: {why}; {kept}, and {json_path} starts anew", file=sys.stderr)
+            old = None
+    doc = merge(old, record, results, measured)
     md = table({int(K): r for K, r in doc["results"].items()})
     write(json_path, json.dumps(doc | {"table": md}, indent=1))
-    write(os.path.splitext(json_path)[0] + ".md", md)
+    write(md_path, md)
     return doc
 
 
@@ -198,6 +248,26 @@ def per_K(values, spec):
 
 def minutes(s):
     return f"{s / 60:.1f} min" if s >= 60 else f"{s:.0f} s"
+
+
+def estimated(low, mid, high):
+    """A time estimate (seconds, flt/modes.py: Span) as eval.py prints it: "~2.0 min (1.1 min to
+    10.8 min)", the mean's and, where they differ, the fastest call's to the slowest's."""
+    spread = f" ({minutes(low)} to {minutes(high)})" if minutes(low) != minutes(high) else ""
+    return f"~{minutes(mid)}{spread}"
+
+
+def estimates(spans, shared=None):
+    """eval.py's estimate line: each mode's time ({mode: (low, mid, high)}, estimated), then all;
+    shared: (load, cores) of a CPU loaded past its cores (flt/modes.py: shared_cpu), said."""
+    total = [sum(values) for values in zip(*spans.values())]
+    line = ("estimate (from timed forwards: at their mean, and at the fastest to the slowest): "
+            + ", ".join(f"{m} {estimated(*s)}" for m, s in spans.items())
+            + f"; in all {estimated(*total)}")
+    if shared:
+        line += (f"; this CPU is shared (load {shared[0]:.1f} on {shared[1]} cores), so the time "
+                 "may be several times more or less")
+    return line
 
 
 def failures(failed, n_modes, json_path, measured, offline):

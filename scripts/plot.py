@@ -3,6 +3,7 @@ Redraw the paper's figures and tables from this repo's outputs, one subcommand e
 matplotlib: pip install -r requirements/plot.txt):
     python -m scripts.plot diag out/diag/small_lt_k{6,9,12} out/diag/small_flt_k12 -o fig2.png  # Figs. 2-4
     python -m scripts.plot loss out/fig5/* -o fig5.png                          # Figs. 5, 10: training loss
+    python -m scripts.plot val out/fig5/* -o val.png                            # val bpb over training
     python -m scripts.plot sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
     python -m scripts.plot exit out/loops/d2_flt_k4* -o exit.png              # bpb against loops per token
     python -m scripts.plot depth out/reasoning/* -o depth.png                 # a reasoning task's accuracy
@@ -10,11 +11,16 @@ matplotlib: pip install -r requirements/plot.txt):
     python -m scripts.plot grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
     python -m scripts.plot core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training
     python -m scripts.plot table out/*_k[369] --paper -o table1.md                    # Tables 1, 2
-Inputs are runs: train.py's out_dir, or a file or step_* directory inside it. The curves (diag, loss,
-resid, grads, core) read the run's log.jsonl; sweep, exit and table read eval.py's eval.json (given, in the
+    python -m scripts.plot runs out/                                   # the runs below out/, a row each
+Inputs are runs: train.py's out_dir, or a file or step_* directory inside it (runs takes folders and
+finds the runs below them). The curves (diag, loss, val, resid, grads, core) and runs read the run's
+log.jsonl (runs its settings.json too); sweep, exit and table read eval.py's eval.json (given, in the
 step directory given, or in the run's newest step_* that has one). A run is labelled
 "<variant> K=<loops>" from the settings.json train.py writes into out_dir, else by its directory's
 name; --labels overrides. Training losses are smoothed by an EMA with beta 0.9, as in the paper.
+An --out that exists is replaced only if this script wrote it (a rerun): a figure that names it as
+its Creator, a table that is its table and nothing else; any other file is refused before any
+work, unless --force.
 """
 import argparse
 import json
@@ -73,15 +79,24 @@ def default_label(path):
 def read_log(path):
     """The records of a train.py log.jsonl (or the run's), one per step in step order. A resumed run
     appends to the same log, so a step may appear twice: the last occurrence wins. Evaluation-only
-    records (the final step) have no "loss"."""
+    records (the final step) have no "loss". A last line without its newline that is not JSON yet (a
+    running train.py writing it) is left out."""
     if os.path.isdir(path):
         path = os.path.join(enclosing_run(path), "log.jsonl")
     records = {}
     with open(path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                records[r["step"]] = r
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            # the last line of a running train.py's log, not all written yet
+            if number == len(lines) and not line.endswith("\n"):
+                continue
+            raise ValueError(f"{path}: line {number} is not a JSON record of train.py's log") from None
+        records[r["step"]] = r
     return [records[s] for s in sorted(records)]
 
 
@@ -178,6 +193,7 @@ def curves(command, logs, labels, loops, clipped=False):
                  (f"first-layer FFN gradient norm{view}", "gradient norm",
                   series(lambda r: r.get(f"grad_mlp_first{grad}")), True)],
         "loss": [SMOOTHED_LOSS],
+        "val": [("validation bits per byte", "val bpb", series(lambda r: r.get("val_bpb")), False)],
         "resid": [(f"residual-state norm, loop {k}", "norm", loop_norm(k), False) for k in loops],
         "grads": [(f"{name} gradient norm{view}", "gradient norm", series(lambda r, key=key: r.get(key + grad)), True)
                   for name, key in (("LM head", "grad_lm_head"), ("5th-layer FFN", "grad_mlp_mid"),
@@ -185,6 +201,7 @@ def curves(command, logs, labels, loops, clipped=False):
         "core": [("CORE during training", "CORE (mean centered accuracy)", series(lambda r: r.get("core")), False)],
     }[command]
     titles = {"diag": "Training diagnostics (Figs. 2-4)", "loss": "Training loss (Figs. 5, 10)",
+              "val": "Validation bits per byte during training",
               "resid": "Residual-state norm at later loops (Fig. 7)", "grads": "Gradient norms (Fig. 8)",
               "core": "CORE during training (Fig. 9)"}
     return overlay([(label, read_log(path)) for path, label in zip(logs, labels)], panels, titles[command])
@@ -318,33 +335,113 @@ def table(evals, labels, paper=False):
     return report.markdown(["model", "depth", "K"], rows)
 
 
+# ----------------------------------------------------------------------------- the runs in folders
+RUNS_HEADER = ["run", "variant", "K", "dataset", "last step", "val bpb", "final val bpb"]
+
+
+def find_runs(folders):
+    """The runs at or below each folder, each once, by path: the directories that hold train.py's
+    settings.json or log.jsonl."""
+    found = set()
+    for folder in folders:
+        for path, _, files in os.walk(folder):
+            if {"settings.json", "log.jsonl"} & set(files):
+                found.add(os.path.normpath(path))
+    return sorted(found)
+
+
+def runs_table(folders):
+    """A Markdown row per run below the folders (find_runs), from its settings.json and log.jsonl
+    alone: variant, K, dataset, the last step logged, the last val bpb logged and the final one
+    (or, where the log's last end is a divergence, "diverged at step N"); "-" where a file or a
+    record is missing."""
+    rows = []
+    for path in find_runs(folders):
+        settings = run_settings(path)
+        log = os.path.join(path, "log.jsonl")
+        records = read_log(log) if os.path.isfile(log) else []
+        val = [f"{r['val_bpb']:.4f}" for r in records if "val_bpb" in r]
+        # in step order: a resumed run's later end replaces an earlier one
+        final = [f"{r['final_val_bpb']:.4f}" if "final_val_bpb" in r else f"diverged at step {r['step']}"
+                 for r in records if "final_val_bpb" in r or r.get("diverged")]
+        variant = model_name(settings) if "variant" in settings else "-"
+        rows.append([path, variant, settings.get("loops", "-"), settings.get("dataset", "-"),
+                     records[-1]["step"] if records else "-", (val or ["-"])[-1], (final or ["-"])[-1]])
+    if not rows:
+        print(f"runs: no run below {', '.join(folders)} (a run: a folder with train.py's settings.json "
+              "or log.jsonl)", file=sys.stderr)
+    return report.grid(RUNS_HEADER, rows)
+
+
+# ----------------------------------------------------------------------------- outputs
+# The mark of a figure this script wrote: its Creator (savefig's metadata), in each format that keeps
+# one, as that format stores it (PNG's text chunk, PDF's info, SVG's Dublin Core, PostScript's header).
+MARK = "python -m scripts.plot"
+CREATOR = {".png": b"tEXtCreator\x00", ".pdf": b"/Creator (", ".svg": b"<dc:title>", ".eps": b"%%Creator: ",
+           ".ps": b"%%Creator: "}
+
+
+def written_here(path):
+    """Whether the file at path is one this script wrote, which a rerun may replace: a figure whose
+    Creator is MARK, or a table (table's, runs_table's) with its header and nothing but its rows."""
+    with open(path, "rb") as f:
+        content = f.read()
+    if any(creator + MARK.encode() in content for creator in CREATOR.values()):
+        return True
+    headers = (report.markdown(["model", "depth", "K"], []), report.grid(RUNS_HEADER, []))
+    return (any(content.startswith(header.encode()) for header in headers)
+            and all(line.startswith(b"|") for line in content.splitlines()))
+
+
+def check_out(path, force):
+    """A FileExistsError naming path, found before any work, if it exists and this script did not
+    write it, unless force."""
+    if os.path.exists(path) and not force and not written_here(path):
+        raise FileExistsError(f"--out={path}: exists, and {MARK} did not write it: choose another --out, "
+                              "move the file, or add --force to replace it")
+
+
 def save(fig, out):
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    # the mark a rerun knows its figure by (written_here), in the formats that keep one
+    mark = {"Creator": MARK} if os.path.splitext(out)[1].lower() in CREATOR else None
+    fig.savefig(out, dpi=120, metadata=mark)
     pyplot().close(fig)
     print(f"wrote {out}")
 
 
+# the subcommands that print Markdown (and write it to --out), with no matplotlib
+TABLES = ("table", "runs")
+
+
 def main(argv):
-    """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for table, its Markdown."""
+    """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for table and runs, its
+    Markdown."""
     parser = errors.ArgumentParser(prog="python -m scripts.plot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     helps = {"diag": "residual norm (loop 1), training loss, first-layer FFN gradient norm (Figs. 2-4)",
              "loss": "smoothed training loss; runs that stopped early end in an x (Figs. 5, 10)",
+             "val": "val bpb over training, from the logs' evaluations; runs that stopped early end in an x",
              "sweep": "a metric against the loop count at evaluation, one line per trained K (Fig. 6)",
              "resid": "residual-state norm at chosen loops over training (Fig. 7)",
              "grads": "gradient norms of the LM head and the 5th layer's FFN and attention (Fig. 8)",
              "core": "CORE during training (Fig. 9)",
              "exit": "val bpb against loops per token: fixed K and the exit rule (eval.py --modes=bpb,exit)",
              "depth": "a reasoning task's accuracy against K and difficulty (eval.py --modes=tasks)",
-             "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)"}
+             "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)",
+             "runs": "a Markdown row per run below the folders: variant, K, dataset, last step, val bpb"}
     for command, text in helps.items():
         p = commands.add_parser(command, help=text, description=text)
-        p.add_argument("runs", nargs="+", help="run directories (out_dir), or files or step_* directories in them")
-        p.add_argument("--labels", nargs="+", help="one per run (default: <variant> K=<loops> from settings.json)")
-        p.add_argument("-o", "--out", help="Markdown file (default: stdout)" if command == "table" else
+        if command == "runs":
+            p.add_argument("runs", nargs="+", metavar="folder", help="folders holding runs (out_dirs) at any depth")
+        else:
+            p.add_argument("runs", nargs="+", help="run directories (out_dir), or files or step_* directories in them")
+            p.add_argument("--labels", nargs="+", help="one per run (default: <variant> K=<loops> from settings.json)")
+        p.add_argument("-o", "--out", help="Markdown file (default: stdout)" if command in TABLES else
                        f"PNG to write (default: {command}.png in the folder the runs share)")
+        p.add_argument("--force", action="store_true", help="replace --out even if this script did not write it "
+                       "(a rerun replaces its own file without it)")
     commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
                                            "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
@@ -357,21 +454,26 @@ def main(argv):
                                                "authors' base_check.py logged them: rank 0's own, after clipping")
     commands.choices["table"].add_argument("--paper", action="store_true", help="the paper's numbers below ours")
     args = parser.parse_args(argv)
-    if args.labels and len(args.labels) != len(args.runs):
+    if getattr(args, "labels", None) and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} given for {len(args.runs)} runs")
     for path in args.runs:
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path}: no such run, step directory or file")
+            what = "folder" if args.command == "runs" else "run, step directory or file"
+            raise FileNotFoundError(f"{path}: no such {what}")
     for k in getattr(args, "loops", ()):
         errors.positive("--loops", k)
-    if args.command != "table" and not args.out:
+    if args.command not in TABLES and not args.out:
         # beside the runs, never into the folder the command was run from
         args.out = os.path.join(os.path.commonpath([enclosing_run(p) for p in args.runs]),
                                 f"{args.command}.png")
     if args.out:
         errors.output_file("--out", args.out)
-    if args.command == "table":
-        md = table(args.runs, args.labels or [None] * len(args.runs), args.paper)
+        check_out(args.out, args.force)
+    if args.command in TABLES:
+        if args.command == "runs":
+            md = runs_table(args.runs)
+        else:
+            md = table(args.runs, args.labels or [None] * len(args.runs), args.paper)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(md)

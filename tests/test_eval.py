@@ -17,6 +17,7 @@ import os
 import random
 import re
 import runpy
+import shutil
 import socket
 import string
 import sys
@@ -705,10 +706,11 @@ def test_cli_end_to_end(tmp_path):
              f"--bundle_dir={bundle}", "--sample_tokens=3", f"--data_dir={tmp_path / 'nodata'}"])
     saved = json.loads((step / "eval.json").read_text())
     assert saved["step"] == 10 and list(saved["results"]) == ["1", "2"]
-    # the authors' layout (4 ranks x batch 4); 512 tokens at sequence_len 64 are less than a chunk a rank: one each
-    chunks, n = data.protocol_chunks([str(tmp_path / "val.parquet")], tok, 64, 512, 4, 4)
+    # one row group: the authors' layout (4 ranks x batch 4) would score rank 0's one chunk only, so
+    # the 512 tokens asked for are scored in one stream: 2 chunks of 4 x 64
+    chunks, n = data.protocol_chunks([str(tmp_path / "val.parquet")], tok, 64, 512, 1, 4)
     [run] = saved["runs"].values()
-    assert n == 4 and run["measured"]["bpb"]["tokens"] == sum(int((y >= 0).sum()) for _, y in chunks)
+    assert n == 2 and run["measured"]["bpb"]["tokens"] == sum(int((y >= 0).sum()) for _, y in chunks) == 512
     bpb = ev.evaluate_bpb(model, chunks, {c: tok.token_bytes(c) for c in ("authors", "utf8")}, [1, 2])[0]
     ppl = ev.evaluate_ppl(model, data.wiki_windows(tok, corpus.load_rows(str(tmp_path / "wiki.test.tokens")), 64, 4),
                           [1, 2], 4)
@@ -760,6 +762,40 @@ def test_samples_print_as_text_between_rules(tmp_path, capsys):
     for K in (1, 2):
         for text in samples[K]["samples"]:
             assert f"---- sample at K={K} {'-' * 53}\n{text.rstrip()}\n{'-' * 72}\n" in out
+
+
+def test_the_sample_mode_continues_the_prompts_given(tmp_path, tiny_run, capsys):
+    """--prompt, '|' between two prompts (commas are text): each is continued at each K, its sample
+    the one runtime.sample gives for it, printed, and held in eval.json in the prompts' order."""
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    prompts = ["Hello, world", "def f(x):"]
+    results = ev.main([str(run), "--device=cpu", "--modes=sample", "--loops=1,3", "--sample_tokens=4",
+                       "--prompt=" + "|".join(prompts)])
+    out = capsys.readouterr().out
+    assert "plan sample 2 prompts x 4 tokens at each K in [1, 3]" in out
+    model, meta = checkpoint.load_model(str(run), "cpu")
+    model.eval()
+    tok = checkpoint.run_tokenizer(meta)
+    saved = json.loads((type(tmp_path)(meta["path"]) / "eval.json").read_text())["results"]
+    for K in (1, 3):
+        expected = [runtime.sample(model, tok, p, 4, loops=K, temperature=0.0) for p in prompts]
+        assert [s[:len(p)] for s, p in zip(expected, prompts)] == prompts
+        assert results[K]["samples"] == saved[str(K)]["samples"] == expected
+        for text in expected:
+            assert f"---- sample at K={K} {'-' * 53}\n{text.rstrip()}\n" in out
+
+
+def test_prompts_are_split_at_bars_and_none_may_be_empty():
+    """--prompt: "" is SAMPLE_PROMPTS, else the texts between its '|' as written; an empty prompt is
+    refused with the rule, and so is a prompt in a run without the sample mode (READ_BY)."""
+    assert modes.sample_prompts("") == modes.SAMPLE_PROMPTS
+    assert modes.sample_prompts("One, two") == ("One, two",)
+    assert modes.sample_prompts(" a, b |c") == (" a, b ", "c")
+    assert read("--modes=sample", "--prompt=x|y").prompt == "x|y"
+    for bad in ("a||b", "|a", "a|"):
+        with pytest.raises(ValueError, match=re.escape(f"--prompt={bad!r}: an empty prompt; expected "
+                                                       "one text, or several with '|' between two")):
+            read("--modes=sample", f"--prompt={bad}")
 
 
 def test_eval_py_runs_accumulate(tmp_path, capsys):
@@ -906,7 +942,8 @@ def test_settings_parse_modes_loops_and_thresholds_and_name_bad_values(tmp_path)
 # a value off the default for each setting only some modes read
 OFF_DEFAULT = {"batch_size": 4, "bpb_tokens": 512, "protocol_ranks": 2, "protocol_batch": 2, "val_files": __file__,
                "data_dir": ".", "wiki_path": __file__, "wiki_url": "http://x", "bundle_dir": "x",
-               "bundle_url": "http://x", "max_per_task": 5, "sample_tokens": 4, "temperature": 0.5, "seed": 7,
+               "bundle_url": "http://x", "max_per_task": 5, "sample_tokens": 4, "prompt": "Once|Twice",
+               "temperature": 0.5, "seed": 7,
                "cache_slots": 1, "draft_loops": 1, "draft_len": 2, "task_items": 30}
 
 
@@ -1019,9 +1056,10 @@ def test_main_plans_first_runs_each_mode_and_saves_after_each(tmp_path, monkeypa
         saved.append(json.loads(json.dumps(doc["results"])))
         return doc
     monkeypatch.setattr(ev, "plan", plan)
-    monkeypatch.setattr(ev, "estimate", lambda settings, job, planned: {m: 30.0 * p.forwards
-                                                                        for m, p in planned.items()})
+    monkeypatch.setattr(ev, "estimate", lambda settings, job, planned: {
+        m: modes.Span(15.0 * p.forwards, 30.0 * p.forwards, 60.0 * p.forwards) for m, p in planned.items()})
     monkeypatch.setattr(report, "write_results", write)
+    monkeypatch.setattr(ev, "shared_cpu", lambda device: None)
     monkeypatch.setattr(modes.Job, "__init__", lambda self, *args: setattr(self, "numerics", Numerics()))
     with pytest.raises(SystemExit) as ended:
         ev.main([str(tmp_path / "run"), "--device=cpu", "--modes=bpb,wiki,core,sample", "--loops=2,1"])
@@ -1030,10 +1068,12 @@ def test_main_plans_first_runs_each_mode_and_saves_after_each(tmp_path, monkeypa
     assert calls == ["plan bpb", "plan wiki", "plan core", "plan sample", "run bpb", "run core", "run sample"]
     lines = out.splitlines()
     assert lines[1:5] == ["plan bpb    bpb inputs", "plan core   core inputs", "plan sample sample inputs",
-                          "estimate (from the first forwards): bpb ~1.0 min, core ~1.0 min, sample ~1.0 min; "
-                          "in all ~3.0 min"]
+                          "estimate (from timed forwards: at their mean, and at the fastest to the slowest): "
+                          "bpb ~1.0 min (30 s to 2.0 min), core ~1.0 min (30 s to 2.0 min), sample ~1.0 min "
+                          "(30 s to 2.0 min); in all ~3.0 min (1.5 min to 6.0 min)"]
     # each mode's time beside its estimate
-    assert lines[5] == "bpb took 0 s (estimated ~1.0 min)" and lines[6].startswith("sample took 0 s (")
+    assert lines[5] == "bpb took 0 s (estimated ~1.0 min (30 s to 2.0 min))"
+    assert lines[6].startswith("sample took 0 s (")
     # a bug keeps its traceback (flt/errors.py); the other modes still run
     assert err.startswith("plan wiki   cannot run: wiki: no network\neval.py: mode 'core' failed: core broke\n"
                           "Traceback (most recent call last):\n")
@@ -1227,7 +1267,80 @@ def test_the_plan_comes_before_any_forward(tmp_path, monkeypatch, capsys):
     for mode in ("bpb", "core", "sample"):
         assert out.index(f"plan {mode}") < first
     assert "plan bpb    " in out and "forwards" in out.split("plan bpb")[1].split("\n")[0]
-    assert first < out.index("estimate (from the first forwards): bpb ~") < out.index("val bpb: K=1")
+    assert first < out.index("estimate (from timed forwards: at their mean, and at the fastest to the slowest): "
+                             "bpb ~") < out.index("val bpb: K=1")
+
+
+class Recorder:
+    """A model whose calls are recorded (their inputs and exit thresholds); the rest is the model's."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, idx, **kwargs):
+        self.calls.append((idx, kwargs.get("exit_threshold")))
+        return self.model(idx, **kwargs)
+
+
+def test_the_estimate_is_each_modes_forwards_times_the_calls_of_its_kind_timed(tmp_path, monkeypatch):
+    """modes.estimate on a scripted clock (runtime.timed): each mode's forwards times the calls of its
+    kind timed after one to warm up, at their mean, the fastest and the slowest (Span); the budget
+    sweep timed once for bpb and wiki; a decoding step's time a generate call's after its first
+    token, over its steps; the exit rule's forward on the first validation batch, at each threshold
+    in turn. eval.py prints it as report.estimates writes it."""
+    _, _, step = save_checkpoint(tmp_path)
+    settings = read("--modes=bpb,wiki,sample,exit", "--exit_thresholds=0.1,0.01", "--bpb_tokens=512",
+                    f"--val_files={tmp_path / 'val.parquet'}", checkpoint=str(step))
+    model, meta = checkpoint.load_model(str(step), "cpu")
+    job = modes.Job(settings, Recorder(model.eval()), meta, runtime.setup("cpu"), [1, 2], [0.1, 0.01])
+    modes.validation(settings, job)
+    # the sweep's calls, the decoding steps' (16 a call: 17 tokens after an 8-token prompt), the exit rule's
+    clock = iter([100.0, 1.0, 2.0, 3.0, 4.0, 5.0] + [100.0, 16.0, 32.0, 16.0, 32.0, 16.0]
+                 + [100.0, 2.0, 2.0, 2.0, 2.0, 7.0])
+
+    def timed(work, device=None):
+        work()
+        return next(clock)
+    monkeypatch.setattr(runtime, "timed", timed)
+    planned = {mode: modes.Plan("", forwards, None) for mode, forwards in
+               (("bpb", 10), ("wiki", 4), ("sample", 3), ("exit", 2))}
+    spans = modes.estimate(settings, job, planned, calls=5)
+    assert next(clock, None) is None  # three kinds, each timed six times
+    assert spans == {"bpb": (10 * 1.0, 10 * 3.0, 10 * 5.0), "wiki": (4 * 1.0, 4 * 3.0, 4 * 5.0),
+                     "sample": (3 * 1.0, pytest.approx(3 * 1.4), 3 * 2.0), "exit": (2 * 2.0, 2 * 3.0, 2 * 7.0)}
+    assert all(idx is job.val.batches[0][0] for idx, _ in job.model.calls)
+    assert [threshold for _, threshold in job.model.calls] == [0.1, 0.01] * 3
+    line = ("estimate (from timed forwards: at their mean, and at the fastest to the slowest): bpb ~30 s "
+            "(10 s to 50 s), exit ~6 s (4 s to 14 s); in all ~36 s (14 s to 1.1 min)")
+    assert report.estimates({"bpb": spans["bpb"], "exit": spans["exit"]}) == line
+    # a CPU loaded past its cores: said, since the time of a forward then changes several-fold
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    for load, shared in ((6.25, (6.25, 2)), (2.0, None)):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, 1.0, 1.0))
+        assert modes.shared_cpu("cpu") == shared and modes.shared_cpu("cuda:0") is None
+    assert report.estimates({"bpb": spans["bpb"], "exit": spans["exit"]}, (6.25, 2)) == (
+        line + "; this CPU is shared (load 6.2 on 2 cores), so the time may be several times more or less")
+
+
+def test_the_sample_plan_counts_the_tokens_each_prompt_leaves_room_for(tmp_path):
+    """The sample mode's forwards: each prompt's decoding steps at each K, sample_tokens or what
+    sequence_len leaves after BOS and the prompt (runtime.sample), in steps at max(loops); a prompt
+    that leaves no room is refused, named."""
+    _, tok, step = save_checkpoint(tmp_path)
+    model, meta = checkpoint.load_model(str(step), "cpu")
+    prompts = ["Hello", "Once upon a time, " * 2]
+    settings = read("--modes=sample", "--loops=1,2", "--sample_tokens=40", "--prompt=" + "|".join(prompts))
+    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], [])
+    room = [min(40, 64 - 1 - len(tok.encode(p))) for p in prompts]
+    assert room[0] == 40 and room[1] < 40
+    assert modes.sample_mode(settings, job).forwards == (1 + 2) * sum(room) / 2
+    settings.prompt = "Hello|" + "word " * 70
+    with pytest.raises(ValueError, match=r"^--prompt: 'word word .*\.\.\.' is \d+ tokens with its BOS, and the "
+                                         r"model reads 64 \(sequence_len\): at most 63, so that a token can follow$"):
+        modes.sample_mode(settings, job)
 
 
 def test_progress_lines_on_a_slow_mode(tmp_path, monkeypatch, capsys):

@@ -134,6 +134,71 @@ def test_loss_marks_a_run_that_stopped_early(tmp_path):
     assert_png(tmp_path / "loss.png")
 
 
+def test_val_draws_each_runs_val_bpb_against_its_steps(tmp_path):
+    """val: a line a run through its log's records that have a finite val_bpb (a diverged run's NaN
+    left out, the line ending in an x); --out's rules as every figure's: a rerun replaces its own
+    figure, another file is refused unless --force."""
+    pytest.importorskip("matplotlib")
+    flt = write_run(tmp_path, "flt", [5.0, 4.0, 3.0, 2.0], loops=12, extra=[{"step": 2, "val_bpb": 1.8}])
+    lt = write_run(tmp_path, "lt", [5.0, 6.0], variant="LT", loops=12,
+                   extra=[{"step": 2, "val_bpb": math.nan, "diverged": True}])
+    out = tmp_path / "val.png"
+    for _ in range(2):  # the second replaces the script's own figure
+        fig = plot.main(["val", str(flt), str(lt / "log.jsonl"), "-o", str(out)])
+    ax = fig.axes[0]
+    assert lines_of(ax) == {"FLT K=12": ([0, 2, 4], [2.0, 1.8, 1.5]), "LT K=12 (stopped at 0)": ([0], [2.0])}
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "val bpb")
+    assert_png(out)
+    other = tmp_path / "notes.png"
+    other.write_bytes(b"a user's own figure")
+    with pytest.raises(FileExistsError, match="notes.png: exists, and python -m scripts.plot did not write it"):
+        plot.main(["val", str(flt), "-o", str(other)])
+    plot.main(["val", str(flt), "-o", str(other), "--force"])
+    assert_png(other)
+
+
+def test_runs_lists_every_run_below_the_folders_from_its_files(tmp_path, monkeypatch, capsys):
+    """runs: a Markdown row per run (a folder with settings.json or log.jsonl) at any depth below the
+    folders, each once, by path: variant, K, dataset, the last step logged, the last val bpb and the
+    final one, or where the log says the run diverged; "-" where a file or a record is missing. A
+    running log's half-written last line is left out. No matplotlib; --out as table's."""
+    monkeypatch.setattr(plot, "pyplot", lambda: pytest.fail("runs needs no matplotlib"))
+    out, more = tmp_path / "out", tmp_path / "more"
+    # steps 0-2, val bpb 2.0 at 0 and 2, then the final record (step 3): val bpb 1.5, final 1.25
+    done = write_run(out / "sweep", "flt_k6", [3.0, 2.0, 1.0], loops=6, extra=[{"step": 3, "final_val_bpb": 1.25}])
+    settings = json.loads((done / "settings.json").read_text())
+    (done / "settings.json").write_text(json.dumps(settings | {"dataset": "fineweb"}))
+    # no settings.json; diverged at step 1, train.py's line for it replacing the step's record
+    log = [{"step": 0, "loss": 5.0, "val_bpb": 2.5}, {"step": 1, "loss": 9.0}, {"step": 1, "diverged": True}]
+    (out / "lt_k9").mkdir()
+    (out / "lt_k9" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    # just started: its settings.json, no log yet
+    (out / "new").mkdir()
+    (out / "new" / "settings.json").write_text(json.dumps({"variant": "LT_i", "loops": 3, "dataset": "embedded"}))
+    # running: the last line of its log half written
+    running = write_run(more, "running", [4.0, 3.5], loops=3)
+    with open(running / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    (out / "checkpoints_only" / "step_000010").mkdir(parents=True)  # no run
+    md = plot.main(["runs", str(out), str(more), str(out / "sweep")])
+    assert capsys.readouterr().out == md
+    assert md == ("| run | variant | K | dataset | last step | val bpb | final val bpb |\n"
+                  "|---|---|---|---|---|---|---|\n"
+                  f"| {running} | FLT | 3 | - | 2 | 1.5000 | - |\n"
+                  f"| {out / 'lt_k9'} | - | - | - | 1 | 2.5000 | diverged at step 1 |\n"
+                  f"| {out / 'new'} | LT_i | 3 | embedded | - | - | - |\n"
+                  f"| {done} | FLT | 6 | fineweb | 3 | 1.5000 | 1.2500 |\n")
+    # --out: written, replaced on a rerun, another file refused
+    for _ in range(2):
+        assert plot.main(["runs", str(out), "-o", str(tmp_path / "runs.md")]) == (tmp_path / "runs.md").read_text()
+    (tmp_path / "notes.md").write_text("| my notes |\n")
+    with pytest.raises(FileExistsError, match="notes.md: exists, and python -m scripts.plot did not write it"):
+        plot.main(["runs", str(out), "-o", str(tmp_path / "notes.md")])
+    # none below a folder: the header alone, and a line saying so
+    assert plot.main(["runs", str(out / "checkpoints_only")]) == md[:md.index(f"| {running}")]
+    assert "runs: no run below" in capsys.readouterr().err
+
+
 def test_sweep(tmp_path):
     pytest.importorskip("matplotlib")
     runs = []
