@@ -1,10 +1,10 @@
 """nanoGPT-style settings: a script's module-level variables *are* its settings.
     python train.py config/flt_base.py --loops=9 --resume
 A config file (positional) overrides the defaults, each --key=value overrides both, a bare
---key sets a boolean. Unknown keys and wrong types are errors naming the key, never ignored.
+--key sets a boolean. Order does not matter: files first, in their order, then flags.
+Errors (an unknown key, a wrong type) name the key, or a config file and its line.
 """
 import ast
-import runpy
 
 from flt import usage
 
@@ -43,7 +43,8 @@ def configure(namespace, argv, source=None):
     `_ALSO_ACCEPTS = {key: (word, ...)}` lets a setting also take those strings (--resume=auto)."""
     defaults, words = settings_of(namespace), namespace.get("_ALSO_ACCEPTS", {})
     usage.help_requested(argv, source or namespace.get("__file__"), defaults)  # prints, exits
-    for arg in argv:
+    # the files first, then the flags (a stable sort)
+    for arg in sorted(argv, key=lambda a: a.startswith("--")):
         if arg.startswith("--"):
             key, sep, raw = arg[2:].partition("=")
             if key not in defaults:
@@ -53,13 +54,12 @@ def configure(namespace, argv, source=None):
             raw = raw if sep else "true"  # a bare --key sets a boolean
             namespace[key] = _parse(key, raw, defaults[key], f"--{key}", words.get(key, ()))
         elif arg.endswith(".py"):
-            theirs = usage.imported(arg)  # a missing file: a FileNotFoundError naming it
-            for key, value in runpy.run_path(arg).items():  # not its builtins or imports
-                if not key.startswith("_") and key not in theirs:
-                    if key not in defaults:
-                        raise ValueError(usage.unknown(arg, key, defaults))
-                    namespace[key] = usage.checked(key, value, defaults[key], arg,
-                                                   words.get(key, ()))
+            # run as Python; its mistake: an error naming its line
+            for key, value in usage.config_file(arg).items():
+                if key not in defaults:
+                    raise ValueError(usage.unknown(arg, key, defaults))
+                namespace[key] = usage.checked(key, value, defaults[key], arg,
+                                               words.get(key, ()))
         else:
             raise ValueError(f"{arg!r}: expected a config file (*.py) or --key=value")
     return settings_of({k: namespace[k] for k in defaults})

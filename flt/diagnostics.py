@@ -5,10 +5,10 @@ Nothing here decides the step: its gradient norm and clip factor are train.py's;
     numbers = runtime.to_host(grad_norm=..., **watch.tensors(sq_norms, looped))  # the one host read
     record |= watch.record(numbers, grad_clip)     # grad_<module> (and grad_<module>_clipped)
     record |= diagnostics.speed(tokens, dt, flops_per_token, peak, world_size)  # tok_per_s, dt, mfu
-    print0(diagnostics.step_line(record, num_steps))  # train.py's line, every log_interval steps
+    print0(diagnostics.step_line(record, num_steps, timer))  # every log_interval steps
     monitor = diagnostics.divergence(monitor, loss, nats)  # the smoothed loss against its minimum
     log = diagnostics.Log(out_dir, settings)  # settings.json, then log.jsonl line by line
-    timer = diagnostics.StepTimer()  # lap(): a step's seconds, less pause() .. resume()
+    timer = diagnostics.StepTimer()  # lap(): a step's seconds, less pause() .. resume(); time left
 """
 import collections
 import contextlib
@@ -96,12 +96,27 @@ def speed(tokens, dt, flops_per_token, peak, world_size, memory=False):
     return record
 
 
-def step_line(r, num_steps):
-    """train.py's line for a training step's record r, each number rounded to what it means."""
+def step_line(r, num_steps, timer):
+    """train.py's line for a training step's record r, each number rounded to what it means, and
+    the time: since training began (timer: a StepTimer), and the estimate for the steps left."""
     mfu = f" | mfu {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+    left = timer.left(num_steps - r["step"] - 1)
+    left = f", ~{duration(left)} left" if left is not None else ""
     return (f"step {r['step']:5d}/{num_steps} | loss {r['loss']:.3f} | K {r['loops']} | "
             f"lrm {r['lrm']:.2f} | grad {r['grad_norm']:.2f} | resid {r['resid_norms'][-1]:.1f} | "
-            f"{r['tok_per_s']:,.0f} tok/s{mfu}")
+            f"{r['tok_per_s']:,.0f} tok/s{mfu} | {duration(timer.elapsed())} elapsed{left}")
+
+
+def duration(seconds):
+    """seconds as a step line shows them, to the second or the minute: 42s, 1m23s, 2h05m, 3d04h."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
@@ -153,12 +168,17 @@ class StepTimer:
     """The seconds of a training step, without its evaluations and checkpoints: lap() is called
     once a step, after its optimizer step, and returns the time since the last lap() less the time
     spent between pause() and resume(). It never syncs (runtime.Timer does): on a GPU the step's one
-    host read is its one wait, so each lap holds one step's work once the queue is steady."""
+    host read is its one wait, so each lap holds one step's work once the queue is steady.
+    elapsed(): the wall time since the timer was made (train.py: as training, or its resume,
+    begins), evaluations and saves included; left(n): n more steps at the mean lap so far."""
 
     def __init__(self):
-        self.last = time.time()
+        self.start = self.last = time.time()
         self.paused_at = None
         self.paused = 0.0  # seconds paused since the last lap
+        self.laps = 0
+        # the seconds of the laps after the first (torch.compile's and the allocator's warm-up)
+        self.later = 0.0
 
     def pause(self):
         self.paused_at = time.time()
@@ -171,7 +191,21 @@ class StepTimer:
         seconds = now - self.last - self.paused
         self.last = now
         self.paused = 0.0
+        self.laps += 1
+        if self.laps > 1:
+            self.later += seconds
         return seconds
+
+    def elapsed(self):
+        return time.time() - self.start
+
+    def left(self, steps):
+        """The seconds `steps` more steps take at the mean lap so far, the first lap left out (its
+        warm-up, compilation, says little of the others); None until a later lap is timed.
+        Evaluations and saves to come are not counted."""
+        if self.laps < 2:
+            return None
+        return steps * self.later / (self.laps - 1)
 
 
 class Log:

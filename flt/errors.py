@@ -70,11 +70,28 @@ def report(program, e):
         dist.destroy_process_group()
 
 
+# The exit status of a Ctrl-C: the shell's for a program SIGINT ended (128 + 2); one that reaches
+# the program here (train.py's training loop saves first: flt/cluster.py) is one line, no traceback
+INTERRUPTED = 130
+
+
+def interrupted(program):
+    """A Ctrl-C's line on stderr, and what on_user_error registered undone: the status to exit with."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"{program}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    while UNDO:
+        UNDO.pop()()
+    return INTERRUPTED
+
+
 @contextlib.contextmanager
 def user_errors(program):
-    """A user's mistake raised inside: its line and SystemExit(1); any other exception goes on."""
+    """A user's mistake raised inside: its line and SystemExit(1); a Ctrl-C: its line and
+    SystemExit(130); any other exception goes on."""
     try:
         yield
+    except KeyboardInterrupt:
+        raise SystemExit(interrupted(program)) from None
     except Exception as e:
         if not is_user_error(e):
             raise
@@ -83,8 +100,12 @@ def user_errors(program):
 
 
 def install(program):
-    """The same rule for an exception that ends the script (sys.excepthook): Python then exits with 1."""
+    """The same rule for an exception that ends the script (sys.excepthook): Python then exits with
+    1; a Ctrl-C exits with 130 after its line."""
     def hook(kind, e, tb):
+        if isinstance(e, KeyboardInterrupt):
+            sys.stdout.flush()
+            os._exit(interrupted(program))
         if is_user_error(e):
             report(program, e)
         else:

@@ -7,7 +7,8 @@ non-finite step, divergence; and, when the requeued job starts again, where it r
     guard.stop_if_not_finite(step, loss, grad_norm, resid)  # before the update, on every rank
     guard.take_flags(numbers)               # what the ranks agreed: a preemption, a save due
     if ... or guard.save_due: guard.save(step)  # printed; a full disk stops every rank, one message
-    guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues
+    guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues;
+                                                # after a Ctrl-C, INTERRUPTED (130): no requeue
     guard.watch_divergence(step, loss)      # the smoothed loss far above its minimum: exit 3
 
 Every rank takes the same decision at the same step: the flags are summed by the all-reduce the
@@ -34,11 +35,13 @@ class Guard:
         self.monitor = monitor
         self.window = divergence_window
         self.nats = divergence_nats
-        # SIGTERM / SIGUSR1 end the run at the next step's end, with a checkpoint; so may a clock
+        # SIGTERM / SIGUSR1 / Ctrl-C end the run at the next step's end, with a checkpoint; a clock
+        # asks for one
         self.preemption = cluster.Preemption()
         self.clock = cluster.Clock(save_interval_minutes)
-        # what the ranks agreed at the last step
+        # what the ranks agreed at the last step: a stop (any signal), a Ctrl-C among them, a save
         self.preempted = False
+        self.interrupted = False
         self.clock_due = False
 
     @property
@@ -47,16 +50,20 @@ class Guard:
         return self.clock_due or self.preempted
 
     def flags(self):
-        """{name: 0-d tensor}: this rank's signal and clock, for the step's all-reduce to sum (no
-        host copy): any rank's 1 makes every rank's sum positive."""
-        mine = {"preempted": self.preemption.requested, "save_due": self.clock.due()}
+        """{name: 0-d tensor}: this rank's signal (a Ctrl-C flagged also as "interrupted") and
+        clock, for the step's all-reduce to sum (no host copy): any rank's 1 makes every rank's sum
+        positive."""
+        mine = {"preempted": self.preemption.requested, "interrupted": self.preemption.interrupted,
+                "save_due": self.clock.due()}
         device = self.rt.device
         return {name: torch.full((), float(flag), device=device) for name, flag in mine.items()}
 
     def take_flags(self, numbers):
         """What the ranks agreed, from the step's one host read (`numbers`: the flags summed over
-        the ranks): a preemption, a save the clock asks for; acted on at the next step's start."""
+        the ranks): a preemption, a Ctrl-C, a save the clock asks for; acted on at the next step's
+        start."""
         self.preempted = numbers["preempted"] > 0
+        self.interrupted = numbers["interrupted"] > 0
         self.clock_due = numbers["save_due"] > 0
 
     def stop_if_not_finite(self, step, loss, grad_norm, resid):
@@ -84,14 +91,20 @@ class Guard:
 
     def leave_if_preempted(self, step, last_step):
         """After a preemption's checkpoint: exit PREEMPTED, for the job script to requeue the same
-        command with --resume=auto. At the last step the checkpoint is the run: it finishes."""
+        command with --resume=auto; after a Ctrl-C's (on any rank: it outranks a preemption, a run
+        its user stopped is not requeued), exit INTERRUPTED. At the last step the checkpoint is the
+        run: it finishes."""
         if self.preempted and not last_step:
-            signal = self.preemption.signal
-            self.log.write({"step": step, "preempted": signal or "another rank",
+            ctrl_c = self.interrupted
+            kind = "interrupted" if ctrl_c else "preempted"
+            code = cluster.INTERRUPTED if ctrl_c else cluster.PREEMPTED
+            # this rank's signal if it is the one that decided; None: another rank's
+            signal = self.preemption.signal if self.preemption.interrupted == ctrl_c else None
+            self.log.write({"step": step, kind: signal or "another rank",
                             "checkpoint": self.last_good})
-            runtime.stop(self.rt, f"preempted ({signal or 'signal on another rank'}): saved "
-                         f"{self.last_good}; exit {cluster.PREEMPTED}: requeue with --resume=auto",
-                         cluster.PREEMPTED)
+            runtime.stop(self.rt, f"{kind} ({signal or 'signal on another rank'}): saved "
+                         f"{self.last_good}; exit {code}: {'continue' if ctrl_c else 'requeue'} "
+                         "with --resume=auto", code)
 
     def watch_divergence(self, step, loss):
         """One more step's loss into the monitor; a stop (exit 3) once the smoothed loss has been

@@ -2,20 +2,52 @@
 bench.py; configurator.py calls it): each setting with its default and its comment, as the file
 writes them, under the comment lines that group them. And what configurator.py asks of a script's
 file: the names it imports (not settings), the values a setting takes, and the errors for a setting
-it does not have or a value it does not take."""
+it does not have or a value it does not take; and a config file, run, its mistakes one line naming
+its file and line."""
 import ast
 import difflib
+import os
+import runpy
+import traceback
 
 SETTING_TYPES = (bool, int, float, str, type(None))
 
 
 def imported(path):
     """The names the Python file at path binds by its top-level imports: module globals that are not its
-    own settings. A missing file is a FileNotFoundError naming path as given."""
+    own settings. A missing file is a FileNotFoundError naming path as given; its bad syntax a
+    ValueError naming its line (located)."""
     with open(path) as f:
-        body = ast.parse(f.read()).body
+        source = f.read()
+    try:
+        body = ast.parse(source, filename=path).body
+    except SyntaxError as e:
+        raise ValueError(located(path, e)) from None
     return {(alias.asname or alias.name).split(".")[0] for node in body
             if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+
+def config_file(path):
+    """The variables the config file at path sets, as running it (runpy) leaves them, less its
+    private names and those it imports. A missing file is a FileNotFoundError naming it; a mistake
+    in it, its syntax or any exception while it runs, a ValueError naming its line (located)."""
+    theirs = imported(path)
+    try:
+        ran = runpy.run_path(path)
+    except Exception as e:
+        raise ValueError(located(path, e)) from None
+    return {k: v for k, v in ran.items() if not k.startswith("_") and k not in theirs}
+
+
+def located(path, e):
+    """The message for the exception e the Python file at path raised, or its syntax: `path:line:
+    <type>: <message>`, the line the file's own (the innermost of its lines e passed through)."""
+    def ours(filename):
+        return os.path.abspath(filename) == os.path.abspath(path)
+    if isinstance(e, SyntaxError) and e.filename and ours(e.filename):
+        return f"{path}:{e.lineno}: SyntaxError: {e.msg}"
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if ours(f.filename)]
+    return f"{path}:{lines[-1] if lines else '?'}: {type(e).__name__}: {e}"
 
 
 def unknown(source, key, defaults):

@@ -1,6 +1,6 @@
 """diagnostics.py: which modules train.py's logged gradient norms come from and what they measure
 (recomputed here from a model's gradients, selected by parameter name), the step's speed and its
-printed line, the divergence monitor by hand, a step's time, and the log files."""
+printed line, the divergence monitor by hand, a step's time and the time left, and the log files."""
 import json
 import math
 from types import SimpleNamespace
@@ -118,9 +118,38 @@ def test_speed_is_the_steps_tokens_per_second_and_its_share_of_the_peak():
     assert diagnostics.speed(2048, 0.5, 3e6, None, world_size=1)["mfu"] is None
 
 
+def test_time_left_is_the_steps_left_at_the_mean_step_after_the_first(monkeypatch):
+    """elapsed: the wall time since the timer began, pauses included; left(n): n steps at the mean
+    lap, the first lap's warm-up (compilation) left out: no estimate before a second lap."""
+    clock = iter([100.0, 130.0, 131.0, 135.0, 136.0, 138.0, 139.0, 140.0])
+    monkeypatch.setattr(diagnostics.time, "time", lambda: next(clock))
+    timer = diagnostics.StepTimer()  # 100
+    assert timer.lap() == 30.0  # 130: the first step, compiling
+    assert timer.left(10) is None  # the first lap is all there is
+    timer.pause()  # 131
+    timer.resume()  # 135: an evaluation
+    assert timer.lap() == 2.0  # 136
+    assert timer.lap() == 2.0  # 138
+    assert timer.left(10) == 20.0 and timer.left(0) == 0.0
+    assert timer.elapsed() == 139.0 - 100.0
+
+
+@pytest.mark.parametrize("seconds, shown", [(0.4, "0s"), (42.4, "42s"), (59.6, "1m00s"),
+                                            (83, "1m23s"), (3599, "59m59s"), (7500, "2h05m"),
+                                            (86400 * 3 + 3600 * 4 + 59, "3d04h")])
+def test_a_duration_is_shown_to_the_second_or_the_minute(seconds, shown):
+    assert diagnostics.duration(seconds) == shown
+
+
 def test_a_step_line_rounds_each_number_to_what_it_means():
     record = {"step": 7, "loss": 5.43219, "loops": 3, "lrm": 0.8333, "grad_norm": 1.2871,
               "resid_norms": [8.04, 13.96], "tok_per_s": 1758.4, "mfu": None}
-    assert diagnostics.step_line(record, 250) == \
-        "step     7/250 | loss 5.432 | K 3 | lrm 0.83 | grad 1.29 | resid 14.0 | 1,758 tok/s"
-    assert diagnostics.step_line(record | {"mfu": 0.3814}, 250).endswith("1,758 tok/s | mfu 38.1%")
+    # 83 s since training began; 242 steps left (8 to 249) at 1.5 s
+    timer = SimpleNamespace(elapsed=lambda: 83.2, left=lambda steps: 1.5 * steps)
+    assert diagnostics.step_line(record, 250, timer) == \
+        ("step     7/250 | loss 5.432 | K 3 | lrm 0.83 | grad 1.29 | resid 14.0 | 1,758 tok/s | "
+         "1m23s elapsed, ~6m03s left")
+    assert diagnostics.step_line(record | {"mfu": 0.3814}, 250, timer).endswith(
+        "1,758 tok/s | mfu 38.1% | 1m23s elapsed, ~6m03s left")
+    first = SimpleNamespace(elapsed=lambda: 83.2, left=lambda steps: None)  # one step timed
+    assert diagnostics.step_line(record, 250, first).endswith("1,758 tok/s | 1m23s elapsed")

@@ -22,7 +22,7 @@ class Log:
 @pytest.fixture
 def make_guard():
     """Guards whose signal handlers are this test's only: the handlers before it come back after."""
-    before = {s: signal.getsignal(s) for s in cluster.SIGNALS}
+    before = {s: signal.getsignal(s) for s in cluster.SIGNALS + (signal.SIGINT,)}
     yield lambda **kw: Guard(runtime.setup("cpu"), Log(), kw.pop("save", lambda step: None), **kw)
     for s, handler in before.items():
         signal.signal(s, handler)
@@ -35,18 +35,21 @@ def stops(capsys, call):
     return e.value.code, capsys.readouterr().err.strip()
 
 
-def flags(preempted=0.0, save_due=0.0):
+def flags(preempted=0.0, save_due=0.0, interrupted=0.0):
     """The step's read numbers the guard takes: its flags, summed over the ranks."""
-    return {"preempted": preempted, "save_due": save_due, "loss": 3.0, "grad_norm": 1.0, "resid": 1.0}
+    return {"preempted": preempted, "interrupted": interrupted, "save_due": save_due, "loss": 3.0,
+            "grad_norm": 1.0, "resid": 1.0}
 
 
 def test_the_flags_are_this_ranks_signal_and_clock(make_guard):
     guard = make_guard(save_interval_minutes=1e-9)
     flags = guard.flags()
-    assert list(flags) == ["preempted", "save_due"] and all(f.dim() == 0 for f in flags.values())
+    assert list(flags) == ["preempted", "interrupted", "save_due"]
+    assert all(f.dim() == 0 for f in flags.values())
     assert flags["preempted"].item() == 0.0 and flags["save_due"].item() == 1.0
     os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets a flag
     assert guard.flags()["preempted"].item() == 1.0 and guard.preemption.signal == "SIGUSR1"
+    assert guard.flags()["interrupted"].item() == 0.0
     assert make_guard().flags()["save_due"].item() == 0.0  # 0 minutes: no time-based saves
 
 
@@ -94,17 +97,36 @@ def test_a_full_disk_stops_every_rank_naming_the_last_good_checkpoint(make_guard
     assert guard.last_good == "out/step_000004"
 
 
-def test_a_preempted_run_leaves_with_75_after_its_checkpoint(make_guard, capsys):
+@pytest.mark.parametrize("own, summed, code, kind, then", [
+    (None, flags(preempted=1.0), 75, "preempted", "requeue"),  # a signal on another rank
+    # a Ctrl-C on another rank outranks this rank's SIGTERM: a run its user stopped is not requeued
+    (signal.SIGTERM, flags(preempted=2.0, interrupted=1.0), 130, "interrupted", "continue")])
+def test_a_stopped_run_leaves_after_its_checkpoint_with_75_or_after_a_ctrl_c_130(
+        make_guard, capsys, own, summed, code, kind, then):
+    assert (cluster.PREEMPTED, cluster.INTERRUPTED) == (75, 130)
     guard = make_guard(last_good="out/step_000009")
     guard.leave_if_preempted(9, last_step=False)  # not preempted: nothing happens
-    guard.take_flags(flags(preempted=1.0))  # a signal on another rank
+    if own:
+        os.kill(os.getpid(), own)  # this rank's own signal
+    guard.take_flags(summed)  # what every rank reads
     guard.leave_if_preempted(10, last_step=True)  # the last step's checkpoint is the run
-    code, out = stops(capsys, lambda: guard.leave_if_preempted(10, last_step=False))
-    assert code == cluster.PREEMPTED == 75
-    assert out == ("preempted (signal on another rank): saved out/step_000009; exit 75: requeue "
+    exit_code, err = stops(capsys, lambda: guard.leave_if_preempted(10, last_step=False))
+    assert exit_code == code
+    assert err == (f"{kind} (signal on another rank): saved out/step_000009; exit {code}: {then} "
                    "with --resume=auto")
-    assert guard.log.records == [{"step": 10, "preempted": "another rank",
-                                  "checkpoint": "out/step_000009"}]
+    assert guard.log.records == [{"step": 10, kind: "another rank", "checkpoint": "out/step_000009"}]
+
+
+def test_a_ctrl_c_asks_for_the_same_stop_and_says_so_at_once(make_guard, capfd):
+    guard = make_guard()
+    # the guard's handler, else the Ctrl-C below would end the test session
+    assert signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGUSR1)  # a preemption first: a Ctrl-C still outranks it
+    os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: the handler sets a flag, and says so
+    assert capfd.readouterr().err == cluster.SAVING + "\n"
+    assert guard.preemption.signal == "SIGINT" and guard.preemption.interrupted
+    assert {k: f.item() for k, f in guard.flags().items()} == {"preempted": 1.0, "interrupted": 1.0,
+                                                               "save_due": 0.0}
 
 
 def test_divergence_stops_after_the_window_and_is_watched_without_one(make_guard, capsys):
