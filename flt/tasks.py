@@ -17,8 +17,8 @@ Which tokens carry the loss: every labelled position (each element of s3/s5, eac
 of chains); the others, bos and padding, have target -1. Every answer is a function of the input up
 to its position, so the supervision is dense and nothing is predicted from the future.
 
-Items are generated from a seed: item i of a run is rng([seed, i]), so every rank and a resumed run
-see the same stream (the loader's state is the next item's index). The held-out test set is
+Items are generated from a seed: item i of a run is the first draw of rng([seed, i, attempt]),
+attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run see the same stream (the loader's state is the next item's index). The held-out test set is
 fixed by the task alone, and disjoint from training by construction: an item whose hash falls in
 the test bucket (one in TEST_BUCKET) is never a training item, and only such items are test items.
 Each symbol is one character of a byte-level alphabet, and the vocabulary is a tokenizers
@@ -39,7 +39,7 @@ import data
 TASKS = ("s3", "s5", "chains")
 # one item in TEST_BUCKET is held out (by its hash)
 TEST_BUCKET = 8
-# the stream of test candidates (train streams are rng([seed, i]) with the run's seed)
+# the stream of test candidates (train streams: rng([seed, i, attempt]) with the run's seed)
 TEST_STREAM = 0x7E57
 DIGITS = string.digits
 # one-character symbols outside the digits: letters first, then the rest of ByteLevel's alphabet
