@@ -42,7 +42,8 @@ from model import ROPE_SPAN
 
 # ----------------------------------------------------------------------------- settings
 modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit, tasks
-loops = "1,3,6,9,12"            # loop budgets K, all scored from one forward at the largest
+loops = "1,3,6,9,12"            # loop budgets K (bpb, wiki, core: all from one forward at the
+                                # largest; exit: a forward a threshold; sample: a decode a K)
 device = ""                     # cuda | cuda:N | cpu | mps; empty = cuda if there is one, else cpu
 batch_size = 8                  # sequences per forward here: speed only,
                                 # never which tokens are scored

@@ -591,11 +591,7 @@ def claim_out_dir(out_dir, resume, overwrite, log=print):
     lock, to be kept while the run lives. If the run ends on a user's error (a download refused, a
     tokenizer that does not load), a run --overwrite set aside is put back, and the directories this
     call created are removed again while they hold nothing but the lock."""
-    made = []
-    parent = os.path.abspath(out_dir)
-    while not os.path.exists(parent):
-        made.append(parent)
-        parent = os.path.dirname(parent)
+    made = errors.missing(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -619,10 +615,7 @@ def release(made, lock_path, before):
     else:
         with open(lock_path, "wb") as f:
             f.write(before)
-    for path in made:
-        if os.listdir(path):
-            return
-        os.rmdir(path)
+    errors.remove_empty(made)
 
 
 def lock_out_dir(out_dir):

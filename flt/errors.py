@@ -58,6 +58,24 @@ def on_user_error(undo):
     UNDO.append(undo)
 
 
+def missing(path):
+    """The directories of path that do not exist yet, innermost first: what making it creates."""
+    made = []
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    return made
+
+
+def remove_empty(made):
+    """Remove the directories `made` (innermost first) while they hold nothing."""
+    for path in made:
+        if not os.path.isdir(path) or os.listdir(path):
+            return
+        os.rmdir(path)
+
+
 def report(program, e):
     """The line on stderr (once per node: its local rank 0), what on_user_error registered undone,
     and the process group, if any, ended."""

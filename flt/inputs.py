@@ -13,15 +13,18 @@ dry_run it reads the size from the settings alone (planning.planned_vocab): noth
 fetched. Every rank calls these before the process group exists (a download of many GB would
 outlast a collective's timeout); file locks make one process do each piece of work.
 """
+import functools
 import os
 
 import data
-from flt import corpus, owndata, planning, tasks
+from flt import corpus, errors, owndata, planning, tasks
 
 
 def vocab_size(s):
     """The tokenizer's vocabulary size, before the shards are known (see the module's docstring).
-    Your own data (flt/owndata.py) is converted here, and what it holds printed with its tokens."""
+    Your own data (flt/owndata.py) is converted here, and what it holds printed with its tokens.
+    The first to touch data_dir: a run that ends on a user's error leaves no empty one it made."""
+    errors.on_user_error(functools.partial(errors.remove_empty, errors.missing(s["data_dir"])))
     bpe = s["tokenizer"] == "bpe"
     if s["dry_run"] or s["dataset"] in tasks.TASKS or (bpe and s["dataset"] == "fineweb"):
         return planning.planned_vocab(s)

@@ -461,3 +461,19 @@ def test_a_ctrl_c_before_training_puts_an_overwritten_run_back(six, data_dir, tm
     p = train(six, data_dir, "--overwrite", script=runner(tmp_path, stop), check=False)
     assert p.returncode == 130 and p.stderr.strip() == "train.py: interrupted (Ctrl-C)", p.stderr
     assert tree(six) == before
+
+
+def test_a_run_that_ends_on_a_failed_download_leaves_no_empty_data_dir(tmp_path):
+    """A download that fails (here: made to) after making data_dir: the run's one line, and neither
+    data_dir nor out_dir, which the run made, is left behind empty."""
+    fails = textwrap.dedent("""
+        import os
+        from flt import corpus
+        def offline(data_dir):
+            os.makedirs(data_dir)
+            raise ConnectionError("download failed: offline")
+        corpus.embedded_corpus = offline
+    """)
+    p = train(tmp_path / "new" / "run", tmp_path / "new" / "data", script=runner(tmp_path, fails), check=False)
+    assert p.returncode == 1 and p.stderr.strip() == "train.py: ConnectionError: download failed: offline"
+    assert not (tmp_path / "new").exists()
