@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 from configurator import settings_of
 from flt import core, corpus, errors, eval_settings, report, runtime, tracking
 from flt.checkpoint import load_model
-from flt.modes import OFFLINE, Job, estimate, plan, shared_cpu
+from flt.modes import OFFLINE, Job, Metrics, estimate, plan, shared_cpu
 from flt.runtime import print0
 from model import ROPE_SPAN
 
@@ -348,8 +348,11 @@ def main(argv):
     # the newest readable checkpoint, saying so; can it run every mode asked for?
     model, meta = load_model(path, rt.device, log=print0)
     eval_settings.check_checkpoint(settings.modes, run_modes, meta)
-    # what the modes share: the model, its tokenizer and numerics, this process (flt/modes.py)
-    job = Job(settings, model.eval(), meta, rt, loops_list, thresholds)
+    # the metrics above, each run by its mode; the estimate times the budget sweep (flt/modes.py)
+    metrics = Metrics(sweep=loop_losses, bpb=evaluate_bpb, exit=evaluate_exit, wiki=evaluate_ppl,
+                      core=evaluate_core, tasks=evaluate_tasks, byte_counts=BYTE_COUNTS)
+    # what the modes share: the model, its tokenizer and numerics, this process, the metrics
+    job = Job(settings, model.eval(), meta, rt, loops_list, thresholds, metrics)
     json_path = settings.out or os.path.join(meta["path"], "eval.json")
     # eval.md beside it: refused here, before any work, if eval.py did not write it (report.py)
     md_path = report.check_table(json_path)

@@ -5,14 +5,15 @@ run (the time estimate's unit) and run(), which computes one of eval.py's metric
 and merges it into eval.json. A mode run with one of its CHOICES off the default keeps its results
 apart, under metric[setting=value,...] (plan).
 
-    job = modes.Job(settings, model, meta, rt, loops_list, thresholds)   # what the modes share
+    metrics = modes.Metrics(sweep=loop_losses, bpb=evaluate_bpb, ...)    # eval.py's functions
+    job = modes.Job(settings, model, meta, rt, loops_list, thresholds, metrics)   # what they share
     planned = {mode: modes.plan(mode, settings, defaults, job) for mode in run_modes}
     seconds = modes.estimate(settings, job, planned)            # {mode: Span(low, mid, high)}
     by_K, measured = planned["bpb"].run()
 
 The metrics are eval.py's functions (evaluate_bpb, evaluate_exit, evaluate_ppl, evaluate_core,
-evaluate_tasks, loop_losses), each imported by the mode that computes it when it plans (eval.py
-imports this module first); the modes hold no arithmetic of their own.
+evaluate_tasks, loop_losses), which eval.py's main hands over in a Metrics: imports flow one way,
+from eval.py to this package, never back. The modes hold no arithmetic of their own.
 """
 import functools
 import itertools
@@ -42,14 +43,28 @@ class Plan(NamedTuple):
     run: Callable
 
 
+class Metrics(NamedTuple):
+    """eval.py's metrics, which the modes run: a mode's function by its name, the budget sweep
+    that the estimate times, and the names of bits per byte's tables (Tokenizer.token_bytes)."""
+    sweep: Callable
+    bpb: Callable
+    exit: Callable
+    wiki: Callable
+    core: Callable
+    tasks: Callable
+    byte_counts: tuple
+
+
 class Job:
     """What the modes of one eval.py run share: the model and the settings it was trained with,
-    this process (rt), the loop budgets and exit thresholds, the tokenizer saved with the weights,
-    the numerics the run trained with (bf16 embedding and autocast, or fp32: runtime.precision),
-    where downloads land, and the validation batches once built (validation)."""
+    this process (rt), the loop budgets and exit thresholds, eval.py's metrics (Metrics), the
+    tokenizer saved with the weights, the numerics the run trained with (bf16 embedding and
+    autocast, or fp32: runtime.precision), where downloads land, and the validation batches once
+    built (validation)."""
 
-    def __init__(self, settings, model, meta, rt, loops, thresholds):
+    def __init__(self, settings, model, meta, rt, loops, thresholds, metrics):
         self.model = model
+        self.metrics = metrics
         self.trained = meta.get("settings", {})
         self.rt = rt
         self.rank = rt.rank
@@ -73,8 +88,7 @@ def progress_of(job, label, total, unit="forwards"):
 
 def validation(settings, job):
     """The bpb and exit modes' batches, built once: this process's share of the authors' chunks,
-    with the byte tables of eval.py's two byte counts."""
-    from eval import BYTE_COUNTS
+    with the byte tables of eval.py's byte counts (Metrics.byte_counts)."""
     if job.val is not None:
         return job.val
     if settings.val_files:
@@ -108,7 +122,8 @@ def validation(settings, job):
         batches=data.rows(chunks, settings.batch_size), what=what,
         measured=dict(tokens=targets, requested=requested, files=files, ranks=ranks, batch=batch),
         forwards=f"{n_forwards:,} forwards of {settings.batch_size} x {job.seq_len}")
-    job.tables = {count: job.tokenizer.token_bytes(count).to(job.device) for count in BYTE_COUNTS}
+    job.tables = {count: job.tokenizer.token_bytes(count).to(job.device)
+                  for count in job.metrics.byte_counts}
     return job.val
 
 
@@ -125,13 +140,12 @@ def scored(files, job, n_tokens, ranks, batch):
 
 
 def bpb_mode(settings, job):
-    """Bits per byte on the validation tokens, at each K (eval.evaluate_bpb)."""
-    from eval import evaluate_bpb
+    """Bits per byte on the validation tokens, at each K (Metrics.bpb: eval.evaluate_bpb)."""
     val = validation(settings, job)
 
     def run():
         progress = progress_of(job, "val bpb", len(val.batches))
-        bpb, _ = evaluate_bpb(job.model, val.batches, job.tables, job.loops, progress)
+        bpb, _ = job.metrics.bpb(job.model, val.batches, job.tables, job.loops, progress)
         utf8 = "  ".join(f"{v:.4f}" for v in bpb["utf8"].values())
         print0(f"val bpb: {report.per_K(bpb['authors'], '.4f')}  (true UTF-8 bytes: {utf8})")
         results = {K: {"val_bpb": bpb["authors"][K], "val_bpb_utf8": bpb["utf8"][K]}
@@ -141,14 +155,13 @@ def bpb_mode(settings, job):
 
 
 def exit_mode(settings, job):
-    """bpb and loops per token under the KL exit rule at each threshold (eval.evaluate_exit)."""
-    from eval import evaluate_exit
+    """bpb and loops per token under the KL exit rule at each threshold (Metrics.exit)."""
     val, K_max = validation(settings, job), job.loops[-1]
     n = len(job.thresholds) * len(val.batches)
 
     def run():
-        curve = evaluate_exit(job.model, val.batches, job.tables["authors"], K_max,
-                              job.thresholds, progress_of(job, "exit", n))
+        curve = job.metrics.exit(job.model, val.batches, job.tables["authors"], K_max,
+                                 job.thresholds, progress_of(job, "exit", n))
         print0(f"exit rule, K <= {K_max}: " + "  ".join(
             f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops"
             for r in curve))
@@ -158,8 +171,7 @@ def exit_mode(settings, job):
 
 
 def wiki_mode(settings, job):
-    """WikiText-2 test perplexity at each K (eval.evaluate_ppl)."""
-    from eval import evaluate_ppl
+    """WikiText-2 test perplexity at each K (Metrics.wiki: eval.evaluate_ppl)."""
     fetch = functools.partial(corpus.fetch_wikitext, settings.wiki_url, job.data_dir)
     path = settings.wiki_path or runtime.rank0_first(job.rt, fetch)
     rows = corpus.load_rows(path)
@@ -169,8 +181,8 @@ def wiki_mode(settings, job):
     tokens = len(windows) * job.seq_len
 
     def run():
-        ppl = evaluate_ppl(job.model, windows, job.loops, batch_size,
-                           progress_of(job, "wikitext-2", n))
+        ppl = job.metrics.wiki(job.model, windows, job.loops, batch_size,
+                               progress_of(job, "wikitext-2", n))
         print0(f"wikitext-2 test ppl: {report.per_K(ppl, '.2f')}")
         return {K: {"wiki_ppl": v} for K, v in ppl.items()}, {"tokens": tokens}
     forwards = -(-len(windows) // batch_size)
@@ -180,8 +192,7 @@ def wiki_mode(settings, job):
 
 
 def core_mode(settings, job):
-    """CORE and Table 1's downstream accuracies at each K (eval.evaluate_core)."""
-    from eval import evaluate_core
+    """CORE and Table 1's downstream accuracies at each K (Metrics.core: eval.evaluate_core)."""
     bundle_dir = settings.bundle_dir or os.path.join(job.data_dir, "eval_bundle")
     fetch = functools.partial(corpus.fetch_bundle, bundle_dir, settings.bundle_url)
     bundle = runtime.rank0_first(job.rt, fetch)
@@ -192,8 +203,9 @@ def core_mode(settings, job):
     n = -(-n_seqs // (settings.batch_size * job.world))
 
     def run():
-        core = evaluate_core(job.model, job.tokenizer, bundle_tasks, job.loops, settings.batch_size,
-                             settings.max_per_task, log=print0, progress=True)
+        core = job.metrics.core(job.model, job.tokenizer, bundle_tasks, job.loops,
+                                settings.batch_size, settings.max_per_task, log=print0,
+                                progress=True)
         print0(f"CORE: {report.per_K({K: r['CORE'] for K, r in core.items()}, '.4f')}")
         return core, {"items": len(items), "sequences": n_seqs}
     return Plan(f"{len(items):,} items in {len(bundle_tasks)} tasks of {bundle}: {n_seqs:,} "
@@ -259,16 +271,15 @@ def sample_mode(settings, job):
 
 def tasks_mode(settings, job):
     """A synthetic task's held-out items (flt/tasks.py), scored by exact match at each K
-    (eval.evaluate_tasks). The checkpoint was trained on the task (eval_settings.check_checkpoint)."""
-    from eval import evaluate_tasks
+    (Metrics.tasks). The checkpoint was trained on the task (eval_settings.check_checkpoint)."""
     task = tasks.task_of(job.trained)
     batches = task.batches(settings.task_items * task.item_len, settings.batch_size, job.rank,
                            job.world, difficulty=True)
 
     def run():
         progress = progress_of(job, f"{task.name} accuracy", len(batches))
-        accuracy, overall, answers = evaluate_tasks(job.model, batches, task.levels, job.loops,
-                                                    progress)
+        accuracy, overall, answers = job.metrics.tasks(job.model, batches, task.levels, job.loops,
+                                                       progress)
         results = {}
         for K, by_level in accuracy.items():
             levels = {str(d): a for d, a in by_level.items()}
@@ -348,17 +359,16 @@ def shared_cpu(device):
 def estimate(settings, job, planned, calls=TIMED_CALLS):
     """{mode: Span of seconds} each planned mode should take: its forwards times the time of one of
     its own kind, timed `calls` times after one to warm up, at max(loops) on a batch_size x
-    sequence_len batch. The kinds: the budget sweep's (eval.loop_losses, the head at every K); the
+    sequence_len batch. The kinds: the budget sweep's (Metrics.sweep, the head at every K); the
     exit rule's forward for exit (its KL reads every loop's logits), on text, where tokens exit
     depending on it, each call at the next threshold; for samples a decoding step's (a generate
     call's tokens after its first, whose time holds the prefill). The mean, not the fastest: on a
     loaded machine the fastest call is the lucky one, and the mode runs at the mean."""
-    from eval import loop_losses
     K_max = job.loops[-1]
     x = torch.zeros(settings.batch_size, job.seq_len, dtype=torch.long, device=job.device)
 
     def sweep():
-        return runtime.timed(lambda: loop_losses(job.model, x, x, job.loops), job.device)
+        return runtime.timed(lambda: job.metrics.sweep(job.model, x, x, job.loops), job.device)
 
     # the exit rule's text: the first validation batch (validation, the exit mode's plan built it)
     text = job.val.batches[0][0].to(job.device) if job.val and job.val.batches else x

@@ -10,6 +10,8 @@ A character tokenizer (one id per character, BOS = 0) and a word tokenizer with 
 words (WORD_IDS) make token spans writable by hand. CORE is also compared, example by example,
 with `nanochat_example`, a plain re-implementation of nanochat's core_eval written for this test.
 """
+import ast
+import glob
 import itertools
 import json
 import math
@@ -1019,6 +1021,49 @@ def test_the_tasks_mode_on_a_text_run_is_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------- main's plan-then-run
+# eval.py's metrics as its main hands them to the modes
+METRICS = modes.Metrics(sweep=ev.loop_losses, bpb=ev.evaluate_bpb, exit=ev.evaluate_exit, wiki=ev.evaluate_ppl,
+                        core=ev.evaluate_core, tasks=ev.evaluate_tasks, byte_counts=ev.BYTE_COUNTS)
+
+
+def test_the_support_package_never_imports_eval_py():
+    """Imports flow one way: eval.py hands its metrics to flt/modes.py (modes.Metrics), and no
+    module of flt/ imports eval.py, not even inside a function."""
+    importers = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "flt", "*.py"))):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            if "eval" in names:
+                importers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert importers == []
+
+
+def test_each_mode_runs_the_metric_eval_py_hands_it(tmp_path):
+    """The modes hold no arithmetic: the bpb mode stores what its Metrics.bpb returns, by byte count
+    (val_bpb, val_bpb_utf8), given the byte tables Metrics.byte_counts names and every K."""
+    _, tok, step = save_checkpoint(tmp_path)
+    settings = read("--modes=bpb", "--loops=1,2", "--bpb_tokens=512", f"--val_files={tmp_path / 'val.parquet'}",
+                    checkpoint=str(step))
+    model, meta = checkpoint.load_model(str(step), "cpu")
+    calls = []
+
+    def bpb(model, batches, tables, loops, progress):
+        calls.append(({count: table.tolist() for count, table in tables.items()}, loops))
+        return {"authors": {K: K / 10 for K in loops}, "utf8": {K: K / 100 for K in loops}}, 0
+    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], [], METRICS._replace(bpb=bpb))
+    by_K, measured = modes.bpb_mode(settings, job).run()
+    assert by_K == {1: {"val_bpb": 0.1, "val_bpb_utf8": 0.01}, 2: {"val_bpb": 0.2, "val_bpb_utf8": 0.02}}
+    tables = {count: tok.token_bytes(count).tolist() for count in ("authors", "utf8")}
+    assert calls == [(tables, [1, 2])] and measured["tokens"] > 0
+
+
 class Numerics:
     """A context manager that counts how often it was entered."""
     entered = 0
@@ -1295,7 +1340,7 @@ def test_the_estimate_is_each_modes_forwards_times_the_calls_of_its_kind_timed(t
     settings = read("--modes=bpb,wiki,sample,exit", "--exit_thresholds=0.1,0.01", "--bpb_tokens=512",
                     f"--val_files={tmp_path / 'val.parquet'}", checkpoint=str(step))
     model, meta = checkpoint.load_model(str(step), "cpu")
-    job = modes.Job(settings, Recorder(model.eval()), meta, runtime.setup("cpu"), [1, 2], [0.1, 0.01])
+    job = modes.Job(settings, Recorder(model.eval()), meta, runtime.setup("cpu"), [1, 2], [0.1, 0.01], METRICS)
     modes.validation(settings, job)
     # the sweep's calls, the decoding steps' (16 a call: 17 tokens after an 8-token prompt), the exit rule's
     clock = iter([100.0, 1.0, 2.0, 3.0, 4.0, 5.0] + [100.0, 16.0, 32.0, 16.0, 32.0, 16.0]
@@ -1333,7 +1378,7 @@ def test_the_sample_plan_counts_the_tokens_each_prompt_leaves_room_for(tmp_path)
     model, meta = checkpoint.load_model(str(step), "cpu")
     prompts = ["Hello", "Once upon a time, " * 2]
     settings = read("--modes=sample", "--loops=1,2", "--sample_tokens=40", "--prompt=" + "|".join(prompts))
-    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], [])
+    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], [], METRICS)
     room = [min(40, 64 - 1 - len(tok.encode(p))) for p in prompts]
     assert room[0] == 40 and room[1] < 40
     assert modes.sample_mode(settings, job).forwards == (1 + 2) * sum(room) / 2
