@@ -36,6 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 from configurator import settings_of
 from flt import core, corpus, errors, eval_settings, report, runtime, tracking
 from flt.checkpoint import load_model
+from flt.decoding import LoopSpan, cached_loops
 from flt.modes import OFFLINE, Job, Metrics, estimate, plan, shared_cpu
 from flt.runtime import print0
 from model import ROPE_SPAN
@@ -97,7 +98,12 @@ def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
     loss 0, argmax -1): a CORE prompt's span is a few of its tokens. exit_threshold: the KL exit
     rule (flt/decoding.py: ExitRule), whose h(K) at budget K is that forward's too, since the rule
     at loop t reads only loops <= t."""
-    hs = model.loop_states(idx, max(loops_list), exit_threshold=exit_threshold).states
+    K = max(loops_list)
+    if exit_threshold is None:
+        hs = model.loop_states(idx, K).states
+    else:
+        # the exit rule runs decoding's loop
+        hs, _ = cached_loops(model, idx, LoopSpan(K), exit_threshold=exit_threshold)
     scored = targets >= 0
     result = {}
     # the head, one K at a time: the (scored targets, vocab) logits are the big tensor

@@ -6,11 +6,12 @@ Plain looping (LT) is unstable: the residual stream grows with every loop and tr
 at high K. The paper's fix, FLT, restarts every loop from the normalised embedding norm(e) and
 lets the previous loop steer each layer's attention (queries from its output, keys/values from
 the current stream), so what a loop reads is bounded by softmax. Read top to bottom: config,
-norm/RoPE, attention, MLP, block, the two variant choices, how a call runs its loops (LoopRun),
-the model. GPT.loop_states is the loop; decoding's KV cache, the exit rule and LoopSpan (which
-loops a call runs) are in flt/decoding.py, drafting with fewer loops in flt/drafting.py.
+norm/RoPE, attention, MLP, block, the two variant choices, the model. GPT.loop_states is the
+loop; decoding runs the same loop with its KV cache and the exit rule (flt/decoding.py:
+cached_loops), drafting with fewer loops is flt/drafting.py.
 
-Five variants, two choices, one loop body (GPT.loop_states); for loop t >= 2:
+Five variants, two choices, one loop body (GPT.loop_states); loops count t = 1..K, and loop 1
+is plain in every variant (GPT.loop_start); for loop t >= 2:
   restart(variant, e, x0, h_prev)  its start: h_prev (LT), norm(e + h_prev) (LT_i), x0 = norm(e)
   injection(variant, layer)        how each layer sees h_prev: None, "attn" (injection) or "res"
 """
@@ -26,11 +27,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:
-    from flt.decoding import Decoder, ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
+    from flt.decoding import (Decoder, KVCache, LoopSpan, attention_mask, cached_loops,
+                              check_inputs)
     from flt.drafting import check_draft, choose, draft_and_verify
 except ImportError:
     # a Hugging Face export (scripts/export_hf.py) has decoding.py and drafting.py beside model.py
-    from .decoding import Decoder, ExitRule, KVCache, LoopSpan, attention_mask, check_inputs
+    from .decoding import (Decoder, KVCache, LoopSpan, attention_mask, cached_loops,
+                           check_inputs)
     from .drafting import check_draft, choose, draft_and_verify
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
@@ -222,77 +225,26 @@ def restart(variant, e, x0, h_prev):
 
 def injection(variant, layer):
     """How layer `layer` (0 = the first) sees h(t-1) in loops t >= 2 (loop 1 is plain for every
-    variant: LoopRun.layers asks only from loop 2 on): "attn", "res" or None (plain)."""
+    variant: GPT.loop_start asks only from loop 2 on): "attn", "res" or None (plain)."""
     if variant == "FLT" or (variant == "LT_ai" and layer == 0):
         return "attn"
     return "res" if variant == "FLT_res" else None
 
 
 class Loops(NamedTuple):
-    """One pass's loops. states: [h(t) of each loop run], h(t) = norm(stream after loop t), each
-    a prediction point: h(1)..h(K) for a whole pass (a LoopSpan's loops only; the exit rule pads
-    them to K). resid_norms: the mean L2 norm of the stream after each loop run (before norm),
-    detached. exit_loops (B, T): the loops each position ran (ExitRule), or None."""
+    """One pass's loops. states: [h(1), ..., h(K)], h(t) = norm(stream after loop t), each a
+    prediction point (GPT.head). resid_norms: the mean L2 norm of the stream after each loop
+    (before norm), detached; None from decoding's loop. exit_loops (B, T): the loops each
+    position ran under the exit rule (flt/decoding.py: ExitRule), or None."""
     states: list
-    resid_norms: torch.Tensor
+    resid_norms: torch.Tensor | None
     exit_loops: torch.Tensor | None = None
 
 
-class LoopRun:
-    """How one call of GPT.loop_states runs its loops, each duty one line in the loop: the RoPE
-    positions of its tokens, decoding's KV cache, the exit rule, truncated backprop (the span's
-    bptt_loops) and checkpoint_loops; KVCache, ExitRule and LoopSpan live in flt/decoding.py. A
-    forward with the exit rule gets a KV cache of its own, so it computes what cached decoding
-    computes. finish() returns the pass's Loops and moves the cache past this call's tokens."""
-
-    def __init__(self, model, idx, span, kv_cache=None, exit_threshold=None):
-        self.model = model
-        self.span = span
-        self.T = idx.size(1)
-        # the RoPE table's length, the cache's capacity and loops, bptt_loops: ValueErrors
-        check_inputs(self.T, span.K, kv_cache, span.bptt_loops, model.cos.size(0),
-                     model.config.sequence_len)
-        # the exit rule (Huginn's KL exit) keeps the keys/values of exited positions in a cache
-        if exit_threshold is not None and kv_cache is None:
-            kv_cache = KVCache(idx.size(0), span.K, model.config, capacity=self.T)
-        self.cache = kv_cache
-        # it does nothing without a threshold
-        self.exits = ExitRule(exit_threshold, idx, model.head, kv_cache)
-        # RoPE positions of this call's tokens
-        at = slice(0, self.T) if kv_cache is None else kv_cache.positions(self.T)
-        self.rope = (model.cos[at], model.sin[at])
-
-    def grad_mode(self, t):
-        """Truncated backprop (Huginn): the loops before the last bptt_loops run as constants."""
-        K, bptt_loops = self.span.K, self.span.bptt_loops
-        early = bptt_loops is not None and t < K - bptt_loops
-        return torch.no_grad() if early else nullcontext()
-
-    def blocks(self, t, x, h_prev):
-        """Loop t's L blocks from x. checkpoint_loops: backward recomputes them from x, h(t-1)."""
-        if self.model.config.checkpoint_loops and self.model.training and torch.is_grad_enabled():
-            return checkpoint(self.layers, t, x, h_prev, self.exits.done, use_reentrant=False)
-        return self.layers(t, x, h_prev, self.exits.done)
-
-    def layers(self, t, x, h_prev, done):
-        # from loop 2 on, layer i sees h(t-1) as injection() says
-        for i, block in enumerate(self.model.transformer.h):
-            inject = injection(self.model.config.variant, i) if t > 0 else None
-            if self.cache is None:
-                x = block(x, self.rope, h_prev, inject)
-            else:
-                # not compile_regions' graphs: a cached step's shapes are its own (Decoder)
-                cache = partial(self.cache.update, t, i, done=done)
-                x = block.forward(x, self.rope, h_prev, inject, cache)
-        return x
-
-    def finish(self, hs, norms):
-        if self.cache is not None:
-            self.cache.advance(self.T)
-        return Loops(hs, torch.stack(norms), self.exits.exit_loops)
-
-
 class GPT(nn.Module):
+    # the parameter-free norm, for decoding's loop (flt/decoding.py cannot import this file)
+    norm = staticmethod(norm)
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -329,35 +281,52 @@ class GPT(nn.Module):
             else:
                 nn.init.uniform_(p, -s, s)
 
-    def loop_states(self, idx, loops=None, kv_cache=None, exit_threshold=None):
+    def loop_states(self, idx, loops=None, bptt_loops=None):
         """The loop (Sec. 4), one body for all five variants. Returns Loops: the states
         [h(1), ..., h(K)] of one pass, h(t) = norm(stream after loop t), each a prediction point
-        (`head`). loops: K, or a LoopSpan (flt/decoding.py), some of a K-loop pass's loops (the
-        draft's) or truncated backprop (forward's bptt_loops). kv_cache: decoding's KVCache, this
-        call's tokens written at its pos. exit_threshold: depth per token (ExitRule), at most K
-        loops. How each loop runs (cache, exit, checkpoint_loops, bptt_loops): LoopRun."""
-        span = loops if isinstance(loops, LoopSpan) else LoopSpan(self.loop_count(loops))
-        run = LoopRun(self, idx, span, kv_cache, exit_threshold)
-        # e: the raw embedding; loop 1 starts from x0 = norm(e), in every variant
+        (head). bptt_loops: truncated backprop, only the last bptt_loops loops learn (None: all).
+        Decoding runs the same loop with a KV cache, the exit rule and the draft's partial passes:
+        flt/decoding.py: cached_loops, held to this one by tests/test_loop_cache.py."""
+        K = self.loop_count(loops)
+        T = idx.size(1)
+        check_inputs(T, K, None, bptt_loops, self.cos.size(0), self.config.sequence_len)
+        rope = (self.cos[:T], self.sin[:T])
+        # e: the raw embedding; loop 1 starts from x0 = norm(e)
         e = self.transformer.wte(idx)
         x0 = norm(e)
+        # checkpoint_loops: backward recomputes each loop's blocks (memory ~ one loop, not K)
+        blocks = self.blocks
+        if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
+            blocks = partial(checkpoint, self.blocks, use_reentrant=False)
         hs, norms = [], []
-        # t counts from 0 (t = 0: loop 1); h(t-1) is a span's h_start when it resumes a pass
-        for t in span.loops():
-            h_prev = hs[-1] if hs else span.h_start
-            # truncated backprop: only the last bptt_loops loops learn
-            with run.grad_mode(t):
-                # where loop t starts: norm(e) in loop 1, then the variant's restart
-                x = x0 if t == 0 else restart(self.config.variant, e, x0, h_prev)
-                # the L blocks, each seeing h(t-1) as injection() says (cached, checkpointed)
-                x = run.blocks(t, x, h_prev)
+        h_prev = None
+        for t in range(1, K + 1):
+            # truncated backprop (Huginn): the loops before the last bptt_loops run as constants
+            with torch.no_grad() if t <= K - (bptt_loops or K) else nullcontext():
+                # where loop t starts and how each layer sees h(t-1): the variant's choices
+                x, injects = self.loop_start(t, e, x0, h_prev)
+                x = blocks(x, rope, h_prev, injects)
             # the residual stream's norm (Sec. 3, Fig. 2), then h(t) = norm(x)
             norms.append(x.detach().float().norm(dim=-1).mean())
-            hs.append(norm(x))
-            # the exit rule keeps exited positions' h in hs, and fills hs to K once none loops on
-            if run.exits.update(hs):
-                break
-        return run.finish(hs, norms)
+            h_prev = norm(x)
+            hs.append(h_prev)
+        return Loops(hs, torch.stack(norms))
+
+    def loop_start(self, t, e, x0, h_prev):
+        """Loop t's first stream and each layer's injection (t = 1..K, the paper's numbering).
+        Loop 1 is plain in every variant: x0 = norm(e), no injection. From loop 2 on: restart
+        and injection. Both loops, this file's and decoding's, ask here."""
+        if t == 1:
+            return x0, [None] * self.config.n_layer
+        variant = self.config.variant
+        injects = [injection(variant, i) for i in range(self.config.n_layer)]
+        return restart(variant, e, x0, h_prev), injects
+
+    def blocks(self, x, rope, h_prev, injects):
+        """One loop's L blocks from x; layer i sees h(t-1) as injects[i] says."""
+        for block, inject in zip(self.transformer.h, injects):
+            x = block(x, rope, h_prev, inject)
+        return x
 
     def head(self, h):
         # padded ids are never predicted; the logit softcap is computed in fp32
@@ -373,9 +342,17 @@ class GPT(nn.Module):
         """Logits (B, T, V) of the last loop, or the loss if targets are given. all_loops=True:
         a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
         return_loops=True: (that output, the pass's Loops), e.g.
-        `loss, looped = model(x, y, return_loops=True)` for looped.resid_norms."""
-        span = LoopSpan(self.loop_count(loops), bptt_loops=bptt_loops)
-        looped = self.loop_states(idx, span, kv_cache=kv_cache, exit_threshold=exit_threshold)
+        `loss, looped = model(x, y, return_loops=True)` for looped.resid_norms. kv_cache or
+        exit_threshold: decoding's loop (flt/decoding.py: cached_loops), which does not train."""
+        K = self.loop_count(loops)
+        if kv_cache is None and exit_threshold is None:
+            looped = self.loop_states(idx, K, bptt_loops)
+        elif bptt_loops is not None:
+            raise ValueError(f"bptt_loops={bptt_loops} with kv_cache or exit_threshold: "
+                             "decoding's loop does not train")
+        else:
+            hs, exit_loops = cached_loops(self, idx, LoopSpan(K), kv_cache, exit_threshold)
+            looped = Loops(hs, None, exit_loops)
         every = all_loops or (targets is not None and self.config.loss_all_loops)
         # the other loops cost no head FLOPs unless asked for
         hs = looped.states if every else looped.states[-1:]

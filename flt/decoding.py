@@ -1,21 +1,24 @@
-"""Support for model.py's loop: the attention mask, decoding's KV cache of loop slots (and its
+"""Decoding's loop and what it needs: the attention mask, the KV cache of loop slots (and its
 static twin, one shape a step), the exit rule (depth per token), which loops a call runs
 (LoopSpan), generate's decode step (eager, static or compiled), and the checks of their settings,
-each written once. A reader of the loop (model.py: GPT.loop_states) meets each as one name; their
-bookkeeping lives here. Drafting with fewer loops, built on LoopSpan and the decode step, is
-flt/drafting.py.
+each written once. cached_loops is model.py's loop (GPT.loop_states) over the same loop_start
+(restart, injection) and blocks, with the cache, the exit rule and partial passes added;
+tests/test_loop_cache.py holds the two loops to the same states in float64. Drafting with fewer
+loops, built on LoopSpan and the decode step, is flt/drafting.py.
 
     mask = attention_mask(n_q, n_k, pos, window, device)  # True = visible (causal, window, padding)
     cache = KVCache(B, K, config)                         # keys/values per (loop slot, layer)
-    k, v, mask = cache.update(loop, layer, k, v, window)  # what a layer attends to while decoding
+    k, v, mask = cache.update(t, layer, k, v, window)     # what a layer attends to while decoding
+    hs, exit_loops = cached_loops(model, idx, span, cache, threshold)  # the loop, cached
     step = Decoder(model, idx, K, decode)                 # generate's cache and step (Step = h, logits)
     exits = ExitRule(threshold, idx, head, cache)         # Huginn's KL exit, per position
-    stop = exits.update(hs)                               # after each loop: True once all exited
+    stop = exits.update(t, hs)                            # after loop t: True once all exited
     span = LoopSpan(K, start=K_d, h_start=h)              # loops K_d+1..K, from h(K_d)
 
 This file needs torch alone: scripts/export_hf.py copies it beside model.py into a Hugging Face
 folder, where model.py imports it as `.decoding`."""
 import weakref
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -36,21 +39,56 @@ def attention_mask(n_q, n_k, pos, window, device, pad=None):
 
 
 class LoopSpan(NamedTuple):
-    """Which loops of a K-loop pass a call of GPT.loop_states runs, from what, and which learn.
-    It runs loops start+1..stop (the paper's numbering; stop None: K) from h_start = h(start), None
-    when it starts at loop 1. Drafting runs a token's loops 1..K_d, LoopSpan(K, stop=K_d), and
-    later its loops K_d+1..K, LoopSpan(K, start=K_d, h_start=h(K_d)), the first K_d loops' keys and
-    values already in the cache. bptt_loops: truncated backprop (Huginn), only the last bptt_loops
-    loops learn, the earlier run as constants (None: every loop). LoopSpan(K): the whole pass."""
+    """Which loops of a K-loop pass a call of cached_loops runs, and from what. It runs loops
+    start+1..stop (stop None: K) from h_start = h(start), None when it starts at loop 1. Drafting
+    runs a token's loops 1..K_d, LoopSpan(K, stop=K_d), and later its loops K_d+1..K,
+    LoopSpan(K, start=K_d, h_start=h(K_d)), the first K_d loops' keys and values already in the
+    cache. LoopSpan(K): the whole pass."""
     K: int
     start: int = 0
     stop: int | None = None
     h_start: torch.Tensor | None = None
-    bptt_loops: int | None = None
 
     def loops(self):
-        """The loops t to run, counted from 0 (t = 0 is the paper's loop 1)."""
-        return range(self.start, self.K if self.stop is None else self.stop)
+        """The loops t to run, t = 1..K as the paper counts them."""
+        return range(self.start + 1, (self.K if self.stop is None else self.stop) + 1)
+
+
+def cached_loops(model, idx, span, kv_cache=None, exit_threshold=None):
+    """model.py's loop (GPT.loop_states) as decoding runs it: the same loop_start and blocks,
+    each layer writing its keys/values at (loop t, layer) into the KV cache at its position and
+    attending over every token so far. span (LoopSpan): which loops run (the draft's). The exit
+    rule stops positions early. Without a cache, the call gets one of its own, so the exit rule
+    computes what cached decoding computes. Returns (states, exit_loops), as GPT's Loops; the
+    cache moves past idx's T tokens."""
+    T = idx.size(1)
+    check_inputs(T, span.K, kv_cache, None, model.cos.size(0), model.config.sequence_len)
+    cache = kv_cache
+    if cache is None:
+        cache = KVCache(idx.size(0), span.K, model.config, capacity=T)
+    # Huginn's KL exit; it does nothing without a threshold
+    exits = ExitRule(exit_threshold, idx, model.head, cache)
+    # RoPE positions of this call's tokens: from the cache's position (per row with left padding)
+    at = cache.positions(T)
+    rope = (model.cos[at], model.sin[at])
+    e = model.transformer.wte(idx)
+    x0 = model.norm(e)
+    hs = []
+    h_prev = span.h_start
+    for t in span.loops():
+        x, injects = model.loop_start(t, e, x0, h_prev)
+        for i, (block, inject) in enumerate(zip(model.transformer.h, injects)):
+            # a layer's keys/values at loop t; positions that exited keep their exit loop's
+            update = partial(cache.update, t, i, done=exits.done)
+            # forward, not compile_regions' graphs: a cached step's shapes are its own (Decoder)
+            x = block.forward(x, rope, h_prev, inject, update)
+        hs.append(model.norm(x))
+        # exited positions keep their h; once none loops on, the rest of the K loops are copies
+        if exits.update(t, hs):
+            break
+        h_prev = hs[-1]
+    cache.advance(T)
+    return hs, exits.exit_loops
 
 
 def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
@@ -106,8 +144,8 @@ def left_padding(attention_mask):
 
 class KVCache:
     """Keys and values per (loop slot, layer), each loop's from its own stream. K slots (K*L
-    entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t uses slot t mod m,
-    so earlier forwards' tokens are seen as the slot's last loop left them. A forward's tokens go
+    entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t (1..K) uses slot
+    (t - 1) mod m, so earlier forwards' tokens are seen as the slot's last loop left them. A forward's tokens go
     at `pos` (of `capacity`); attention_mask (B, T) of the first forward: 0 = left padding, unseen.
     """
     # its position is a Python int, and a step attends to the keys written so far (StaticCache: not)
@@ -138,11 +176,11 @@ class KVCache:
         self.pos += n
 
     def slot(self, loop, layer, like):
-        # loop t's slot
-        loop %= self.cache_slots
-        if (loop, layer) not in self.kv:
-            self.kv[loop, layer] = self.allocate(like)
-        return self.kv[loop, layer]
+        # loop t's slot, (t - 1) mod m
+        index = (loop - 1) % self.cache_slots
+        if (index, layer) not in self.kv:
+            self.kv[index, layer] = self.allocate(like)
+        return self.kv[index, layer]
 
     def allocate(self, like):
         """A slot's (k, v), zeros at the capacity, as `like`'s dtype and device."""
@@ -150,13 +188,13 @@ class KVCache:
 
     def update(self, loop, layer, k, v, window=None, done=None):
         """Store this step's k/v (B, H_kv, T, D) for (loop, layer); return all keys/values so far
-        and the attention mask (window: the layer's). done (B, T): this forward's positions that
-        stopped looping before `loop` (ExitRule); they keep the previous loop's keys/values, their
-        exit loop's (as Huginn's cache)."""
+        and the attention mask (window: the layer's). loop: t = 1..K. done (B, T): this forward's
+        positions that stopped looping before `loop` (ExitRule); they keep the previous loop's
+        keys/values, their exit loop's (as Huginn's cache)."""
         k_all, v_all = self.slot(loop, layer, k)
         end = self.pos + k.size(2)
         # loop - 1's slot holds this forward's tokens at loop - 1
-        if done is not None and loop > 0:
+        if done is not None and loop > 1:
             k_prev, v_prev = self.slot(loop - 1, layer, k)
             k = torch.where(done[:, None, :, None], k_prev[:, :, self.pos:end], k)
             v = torch.where(done[:, None, :, None], v_prev[:, :, self.pos:end], v)
@@ -169,9 +207,9 @@ class KVCache:
         return k_all[:, :, :end], v_all[:, :, :end], mask
 
     def fill(self, last, n):
-        """All n tokens from pos exited by loop `last`: copy their keys/values into the loops not
-        run after it."""
-        for loop in range(last + 1, self.loops):
+        """All n tokens from pos exited by loop `last` (1..K): copy their keys/values into the
+        loops not run after it."""
+        for loop in range(last + 1, self.loops + 1):
             for layer in range(self.n_layer):
                 prev = self.slot(loop - 1, layer, None)
                 for dst, src in zip(self.slot(loop, layer, prev[0]), prev):
@@ -277,14 +315,14 @@ class ExitRule:
             self.done = torch.zeros_like(idx, dtype=torch.bool)
             self.exit_loops = torch.full(idx.shape, kv_cache.loops, device=idx.device)
 
-    def update(self, hs):
-        """After loop t = len(hs): positions that exited before it keep their h; those whose
-        prediction moved less than the threshold since loop t-1 exit at t. True once no position
-        loops on: the later loops' h and keys/values are then copies, filled in here, and the
-        loop can stop."""
+    def update(self, t, hs):
+        """After loop t (1..K), hs = [h(1), ..., h(t)]: positions that exited before it keep their
+        h; those whose prediction moved less than the threshold since loop t-1 exit at t. True
+        once no position loops on: the later loops' h and keys/values are then copies, filled in
+        here, and the loop can stop."""
         if self.threshold is None:
             return False
-        t, K = len(hs), self.kv_cache.loops
+        K = self.kv_cache.loops
         logp = F.log_softmax(self.head(hs[-1]), dim=-1)
         # loop 1 has nothing to compare with
         if self.logp is not None:
@@ -297,7 +335,7 @@ class ExitRule:
             self.done = self.done | exits
         self.logp = logp
         if t < K and self.done.all():
-            self.kv_cache.fill(t - 1, hs[-1].size(1))
+            self.kv_cache.fill(t, hs[-1].size(1))
             hs += hs[-1:] * (K - t)
             return True
         return False
@@ -322,8 +360,8 @@ class Step(NamedTuple):
 
 def loops_step(model, tokens, span, cache, exit_threshold=None):
     """A span's loops over tokens (B, T) written at the cache's position, and their logits: Step."""
-    h = model.loop_states(tokens, span, cache, exit_threshold).states[-1]
-    return Step(h, model.head(h))
+    hs, _ = cached_loops(model, tokens, span, cache, exit_threshold)
+    return Step(hs[-1], model.head(hs[-1]))
 
 
 def compile_step(device_type, backend="inductor"):

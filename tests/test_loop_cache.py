@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 
-from test_model import VARIANTS, greedy_by_full_forward, make_model, random_tokens, ref_rope, ref_windows
+from test_model import ATTENTION, ATTENTION_EXTRA, VARIANTS, greedy_by_full_forward, make_model, random_tokens, ref_rope, ref_windows
 from test_padded_generate import left_padded, prompts
+from flt.decoding import LoopSpan, cached_loops
 from model import KVCache
 
 TIGHT = dict(atol=1e-10, rtol=0)  # float64 model and reference: only the order of operations differs
@@ -109,11 +110,33 @@ def slot_reference(model, idx, prefill, K, m, threshold=None):
 def cached_states(model, idx, prefill, K, m, threshold=None):
     """h(K) (B, T, d) of model.py's cached decoding with m slots (teacher-forced, as slot_reference)."""
     cache = model.new_kv_cache(idx.size(0), K, cache_slots=m)
+    span = LoopSpan(K)
     with torch.no_grad():
-        hs = [model.loop_states(idx[:, :prefill], K, cache, exit_threshold=threshold).states[-1]]
+        hs = [cached_loops(model, idx[:, :prefill], span, cache, threshold)[0][-1]]
         for n in range(prefill, idx.size(1)):
-            hs.append(model.loop_states(idx[:, n:n + 1], K, cache, exit_threshold=threshold).states[-1])
+            hs.append(cached_loops(model, idx[:, n:n + 1], span, cache, threshold)[0][-1])
     return torch.cat(hs, 1), cache
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION | ATTENTION_EXTRA))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decodings_loop_computes_the_plain_loop(variant, attention):
+    """Two loops over the same loop_start and blocks: model.py's (GPT.loop_states, training's) and
+    decoding's (flt/decoding.py: cached_loops). In float64 they give the same h(t) and logits at every
+    loop, for a prompt in one call and for a prefill then one token a call through the exact cache."""
+    model, idx, K = model64(variant, attention), random_tokens(2, 13, seed=6), 3
+    with torch.no_grad():
+        plain = model.loop_states(idx, K).states
+        whole, _ = cached_loops(model, idx, LoopSpan(K))
+        cache = model.new_kv_cache(2, K)
+        calls = [cached_loops(model, idx[:, :5], LoopSpan(K), cache)[0]]
+        calls += [cached_loops(model, idx[:, n:n + 1], LoopSpan(K), cache)[0] for n in range(5, 13)]
+        stepped = [torch.cat(states, 1) for states in zip(*calls)]
+        for got in (whole, stepped):
+            assert len(got) == K
+            for h, want in zip(got, plain):
+                torch.testing.assert_close(h, want, **TIGHT)
+                torch.testing.assert_close(model.lm_head(h), model.lm_head(want), **TIGHT)
 
 
 def cache_bytes(cache):
@@ -193,7 +216,7 @@ def test_prefill_equals_the_full_forward_for_every_m(variant):
         full = model.loop_states(idx, 4).states
         for m in (1, 2, 3, 4):
             cache = model.new_kv_cache(2, 4, cache_slots=m)
-            torch.testing.assert_close(model.loop_states(idx, 4, cache).states, full, **TIGHT)
+            torch.testing.assert_close(cached_loops(model, idx, LoopSpan(4), cache)[0], full, **TIGHT)
             cache.pos = 0  # the same prompt again, for the logits (fp32: model.head)
             torch.testing.assert_close(model(idx, loops=4, kv_cache=cache), model.head(full[-1]), **TIGHT)
 

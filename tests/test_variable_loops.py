@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ExitRule, injection, norm, restart
+from flt.decoding import ExitRule
+from model import GPT, injection, norm, restart
 from optim import sample_loops
 from test_model import ATTENTION, VARIANTS, make_config, make_model, random_tokens
 from test_train import losses, runner, train
@@ -306,10 +307,10 @@ def test_a_position_exits_when_kl_of_the_previous_loop_from_the_current_is_below
     cache = SimpleNamespace(loops=3, fill=lambda *args: None)
     rule = ExitRule(0.27, torch.zeros(1, 2, dtype=torch.long), lambda h: h, cache)  # the head: logits = h
     hs = [loop1.log()]
-    assert not rule.update(hs)
+    assert not rule.update(1, hs)
     hs.append(loop2.log())
-    rule.update(hs)
+    rule.update(2, hs)
     assert rule.exit_loops.tolist() == [[2, 3]] and rule.done.tolist() == [[True, False]]
     hs.append(hs[-1] + 1.0)  # loop 3: position 0 keeps its loop-2 state
-    rule.update(hs)
+    rule.update(3, hs)
     assert torch.equal(hs[2][0, 0], hs[1][0, 0]) and not torch.equal(hs[2][0, 1], hs[1][0, 1])
