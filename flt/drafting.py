@@ -103,8 +103,14 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     token = choose(model(idx, loops=K, kv_cache=cache)[:, -1], temperature, top_k, rng)
     yield token
     done = 1
+    # The cache position's invariant, set and used here: at a round's start, cache.pos = start =
+    # the prompt and every emitted token but the last (counted on the host, never read from the
+    # device). Each step runs flt/decoding.py: cached_loops, which writes its tokens at pos and
+    # moves pos past them: the n draft steps leave pos = start + n (their loops 1..K_d written),
+    # the verification is rewound to start and writes loops K_d+1..K of the same n tokens, and
+    # the round ends rewound to start + the tokens it emitted. Entries past pos are stale drafts,
+    # overwritten before any query reads them (a query sees keys up to its own position).
     while done < max_new_tokens:
-        # the cache holds the prompt and every emitted token but the last (counted on the host)
         start, n = idx.size(1) + done - 1, min(draft_len, max_new_tokens - done)
         # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
         fed, states, drafts, q = [token], [], [], []
@@ -118,6 +124,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
             if i + 1 < n:
                 fed.append(drafts[-1])
         # the verification: loops K_d+1..K of the n fed tokens in one forward, at their positions
+        # (the draft steps left pos at start + n)
         cache.pos = start
         rest = LoopSpan(K, start=K_d, h_start=torch.cat(states, 1))
         # a shorter last round runs uncompiled: its shape would be another graph
@@ -138,7 +145,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the m confirmed drafts, then the K-loop token after them; all n confirmed, the last
         # draft is itself the K-loop token (no token after it: it was never fed)
         emitted = tokens[:, :min(m + 1, n)]
-        # rewound as at a round's start: the cache holds every emitted token but the new last
+        # the invariant for the next round: every emitted token but the new last
         cache.pos = start + emitted.size(1)
         token = emitted[:, -1:]
         counts["rounds"] += 1
