@@ -334,6 +334,8 @@ class GPT(nn.Module):
         return 15 * torch.tanh(logits / 15)
 
     def loss(self, h, targets):
+        # targets[b, i] labels position i: the token after it in text; in a reasoning task
+        # (flt/tasks.py) the answer at position i itself, computed from tokens <= i; -1: unscored
         logits = self.head(h).flatten(0, 1)
         return F.cross_entropy(logits, targets.flatten(), ignore_index=-1)
 

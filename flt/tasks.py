@@ -18,8 +18,8 @@ of chains); the others, bos and padding, have target -1. Every answer is a funct
 to its position, so the supervision is dense and nothing is predicted from the future.
 
 Items are generated from a seed: item i of a run is the first draw of rng([seed, i, attempt]),
-attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run see the same stream (the loader's state is the next item's index). The held-out test set is
-fixed by the task alone, and disjoint from training by construction: an item whose hash falls in
+attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run see the same stream
+(the loader's state is the next item's index). The held-out test set is fixed by the task alone, and disjoint from training by construction: an item whose hash falls in
 the test bucket (one in TEST_BUCKET) is never a training item, and only such items are test items.
 Each symbol is one character of a byte-level alphabet, and the vocabulary is a tokenizers
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
