@@ -94,23 +94,25 @@ class Tokenizer:
         atomic_write(path, self.tok.save)
 
 
-def train_tokenizer(files, vocab_size, path):
-    """Train a byte-level BPE (GPT-2 pre-tokenizer) on the `text` of parquet files; save at path."""
+def bpe(texts, vocab_size):
+    """A byte-level BPE (GPT-2's pre-tokenizer) trained on texts, an iterable of strings or of
+    lists of them; its initial alphabet is the 256 bytes, so every byte is encodable."""
     if vocab_size < 257:
         raise ValueError(f"vocab_size must be >= 257 (256 bytes + {BOS}), got {vocab_size}")
-    row_groups = []
-    for f in files:
-        with corpus.open_parquet(f) as pf:
-            row_groups += [(f, g) for g in range(pf.num_row_groups)]
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    # every byte encodable: the 256 bytes are the initial alphabet
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[BOS], show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((corpus.read_texts(f, g) for f, g in row_groups), trainer)
-    tokenizer = Tokenizer(tok, name=path)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def train_tokenizer(files, vocab_size, path):
+    """bpe on the `text` of parquet files, a row group at a time; saved at path."""
+    texts = (corpus.read_texts(f, g) for f in files for g in range(corpus.row_groups(f)))
+    tokenizer = Tokenizer(bpe(texts, vocab_size), name=path)
     tokenizer.save(path)
     print(f"trained a {tokenizer.vocab_size}-token BPE on {len(files)} files -> {path}")
     return tokenizer
@@ -144,25 +146,41 @@ def get_tokenizer(spec, data_dir, train_files, vocab_size, bos=BOS):
         return train_tokenizer(train_files, vocab_size, path)
 
 
+# ---- Packing, as the authors' loader packs (nanochat/dataloader.py)
+def packed_chunks(documents, bos, chunk_len, skip=0):
+    """Each document as [bos] + its token ids, in one stream cut into chunks of chunk_len = B*T+1
+    tokens that never overlap: a chunk is a batch, its first B*T tokens the inputs x and its last
+    B*T the targets y (the inputs shifted by one), so its first token is no target. A stream that
+    ends may end with a shorter chunk. `skip`: the stream's first tokens, packed before a resume."""
+    stream = []
+    for ids in documents:
+        stream += [bos, *ids]
+        # a resumed loader starts `skip` tokens into its first row group
+        dropped = min(skip, len(stream))
+        del stream[:dropped]
+        skip -= dropped
+        while len(stream) >= chunk_len:
+            yield stream[:chunk_len]
+            del stream[:chunk_len]
+    if stream:
+        yield stream
+
+
 # ---- Streaming loader
 class DataLoader:
-    """(x, y) batches of shape (B, T) cut from one rank's token stream, as the authors' loader.
-
-    A rank's stream: each file in turn, its row groups rank, rank + world_size, ... (per file, as
-    nanochat's dataloader.py), each document as [bos] + tokens. A batch is the next chunk of B*T+1
-    tokens: x = its first B*T, y = its last B*T, viewed (B, T) (row b's last target is row b+1's
-    first input), packed across documents with no mask: attention crosses a bos, as in the authors'
-    nanochat/gpt.py (is_causal). The next chunk starts after it: its first token is no target.
+    """(x, y) batches of shape (B, T): one rank's documents cut by packed_chunks, as the authors'
+    loader cuts them. A rank's documents: each file in turn, its row groups rank, rank +
+    world_size, ... (per file, as nanochat's dataloader.py). Row b's last target is row b+1's first
+    input; attention crosses a bos, as in the authors' nanochat/gpt.py (is_causal).
     cycle=True (training): after its last row group the rank starts a new epoch, and prints so.
-    cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with
-    bos and y with -1 (ignored targets), then StopIteration: no target twice, the tail not lost.
+    cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with bos
+    and y with -1 (ignored targets), then StopIteration: no target twice, the tail not lost.
     state_dict() is the position of the next unread token ({"epoch", "file" (its name),
     "row_group", "offset" (tokens of that row group used), "rank", "world_size"}) and the epoch's
-    "epoch_tokens" read and "epoch_batches" begun: a loader built with
-    state=loader.state_dict() after batch n yields batch n+1; state=[every rank's state] of
-    another world size: loader_state.continue_loader. While a row group is used, the next
-    `prefetch` are tokenized in a background thread (train.py's loader_prefetch).
-    """
+    "epoch_tokens" read and "epoch_batches" begun: a loader built with state=loader.state_dict()
+    after batch n yields batch n+1; state=[every rank's state] of another world size:
+    loader_state.continue_loader. While a row group is packed, the next `prefetch` are tokenized
+    in a background thread (train.py's loader_prefetch)."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, rank=0, world_size=1, device="cpu",
                  state=None, cycle=True, prefetch=1):
@@ -187,14 +205,16 @@ class DataLoader:
         loader_state.check_groups(self, row_groups)
         # the position of the next token (state_dict) and the epoch's counts
         self.epoch = self.pos = self.offset = self.epoch_tokens = self.epoch_batches = 0
-        self.tokens, self.done = None, not self.groups
+        # the tokens of each row group handed to the packing, from self.pos on
+        self.lengths = deque()
         self.pool, self.prefetch = ThreadPoolExecutor(1), prefetch
-        # (position, the future of its tokens): the next `prefetch` row groups, in order
+        # (position, the future of its documents): the next `prefetch` row groups, in order
         self.ahead = deque()
         self.skipped_documents = 0
-        if state is not None:
-            # resume at a saved position, or continue another world size's (flt/loader_state.py)
-            loader_state.restore(self, state, row_groups)
+        # resume at a saved position, or continue another world size's (flt/loader_state.py)
+        first = None if state is None else loader_state.restore(self, state, row_groups)
+        self.chunks = packed_chunks(self.documents(first), tokenizer.bos_id, self.B * self.T + 1,
+                                    self.offset)
 
     def state_dict(self):
         file, row_group = self.groups[self.pos]
@@ -203,21 +223,18 @@ class DataLoader:
                 "epoch_tokens": self.epoch_tokens, "epoch_batches": self.epoch_batches}
 
     def tokenize(self, file, row_group):
-        """Row group row_group of file number `file` as one stream: [bos] + ids of each document."""
-        stream = []
-        for ids in self.tokenizer.encode_batch(corpus.read_texts(self.files[file], row_group)):
-            stream += [self.tokenizer.bos_id, *ids]
-        return torch.tensor(stream, dtype=torch.long)
+        """The token ids of each document in row group row_group of file number `file`."""
+        return self.tokenizer.encode_batch(corpus.read_texts(self.files[file], row_group))
 
-    def load(self):
-        """Row group self.pos, tokenized; keeps the next `prefetch` tokenizing in the background."""
-        if self.ahead and self.ahead[0][0] == self.pos:
-            tokens = self.ahead.popleft()[1].result()
+    def load(self, at):
+        """Row group `at`, tokenized; keeps the next `prefetch` tokenizing in the background."""
+        if self.ahead and self.ahead[0][0] == at:
+            documents = self.ahead.popleft()[1].result()
         # the first row group, or a new start: nothing queued
         else:
             self.ahead.clear()
-            tokens = self.tokenize(*self.groups[self.pos])
-        following = self.ahead[-1][0] if self.ahead else self.pos
+            documents = self.tokenize(*self.groups[at])
+        following = self.ahead[-1][0] if self.ahead else at
         while len(self.ahead) < self.prefetch:
             following = (following + 1) % len(self.groups)
             # without cycle, no epoch follows the last row group
@@ -225,43 +242,29 @@ class DataLoader:
                 break
             future = self.pool.submit(self.tokenize, *self.groups[following])
             self.ahead.append((following, future))
-        return tokens
+        return documents
 
-    def _end_epoch(self):
-        """The rank's row groups are used up: a new epoch (cycle), else the end of the stream."""
-        if self.cycle:
-            files = len({file for file, _ in self.groups})
-            print(f"DataLoader rank {self.rank}: epoch {self.epoch} is used up (row groups: "
-                  f"{len(self.groups)}, files: {files}, tokens: {self.epoch_tokens:,}, batches "
-                  f"served: {self.epoch_batches}); epoch {self.epoch + 1} starts: its documents "
-                  "are seen again", flush=True)
-        self.done = not self.cycle
-        self.pos = self.epoch_tokens = self.epoch_batches = 0
-        self.epoch += 1
+    def documents(self, group=None):
+        """The rank's documents from the saved position on, row group by row group (group: the
+        saved one's documents, when a resume has read them), each row group's tokens noted."""
+        at = self.pos
+        while at < len(self.groups):
+            group = self.load(at) if group is None else group
+            # its tokens in the stream, for the position (loader_state.advance)
+            self.lengths.append(sum(1 + len(ids) for ids in group))
+            yield from group
+            group = None
+            # with cycle, an epoch follows the last row group
+            at = (at + 1) % len(self.groups) if self.cycle else at + 1
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        """The next chunk of B*T+1 tokens as (x, y), moving through row groups and epochs."""
-        pieces, n = [], self.B * self.T + 1
-        # a chunk that crosses the end of an epoch counts for the one it began in
-        self.epoch_batches += 1
-        while n and not self.done:
-            if self.tokens is None:
-                self.tokens = self.load()
-            piece = self.tokens[self.offset:self.offset + n]
-            pieces.append(piece)
-            n -= len(piece)
-            self.offset += len(piece)
-            self.epoch_tokens += len(piece)
-            # row group used up: the state names the next one
-            if self.offset == len(self.tokens):
-                self.pos += 1
-                self.offset, self.tokens = 0, None
-                if self.pos == len(self.groups):
-                    self._end_epoch()
-        chunk = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+        """The next chunk of B*T+1 tokens as (x, y)."""
+        chunk = next(self.chunks, [])
+        # the position after it (state_dict), the epoch's counts, and at its end its line
+        loader_state.advance(self, len(chunk))
         # only without cycle: the stream is over
         if len(chunk) < 2:
             raise StopIteration
@@ -270,7 +273,7 @@ class DataLoader:
         xy = torch.empty(2, self.B * self.T, dtype=torch.long, pin_memory=cuda)
         # the padding of a final partial chunk
         xy[0], xy[1] = self.tokenizer.bos_id, -1
-        xy[0, :len(chunk) - 1], xy[1, :len(chunk) - 1] = chunk[:-1], chunk[1:]
+        xy[:, :len(chunk) - 1] = torch.tensor([chunk[:-1], chunk[1:]])
         x, y = xy.view(2, self.B, self.T).to(self.device, non_blocking=cuda)
         return x, y
 

@@ -1,11 +1,13 @@
 """Support for data.py's DataLoader: the checks of its arguments, each a ValueError that names
-the bad value and says what is allowed, and its whole resume from a saved position, on the same
-number of ranks or another. The loader itself (the packing, the position it saves) reads in
-data.py; this module reads only its public layout (files, names, rows, groups, rank, world_size),
-its tokenize() and its load() (a row group, and the next ones queued).
+the bad value and says what is allowed, the position it saves as it packs, and its whole resume
+from that position, on the same number of ranks or another. The loader itself (the packing, its
+row groups, their prefetch) reads in data.py; this module reads only its public layout (files,
+names, rows, groups, rank, world_size, cycle, lengths), its tokenize() and its load() (a row group,
+and the next ones queued), and keeps its position (epoch, pos, offset) and the epoch's counts.
 
     check_arguments(files, names, batch_size, seq_len, rank, world_size)  # before any file is read
     check_groups(loader, row_groups)     # a cycling rank must get at least one row group
+    advance(loader, n)                   # the position after a row of n tokens, the epoch's line
     restore(loader, state, row_groups)   # the loader at a saved position, checked
     continue_loader(loader, states)      # where another number of ranks' run continues
 """
@@ -31,15 +33,47 @@ def check_groups(loader, row_groups):
                          "ranks or more data")
 
 
+def advance(loader, n):
+    """Move the loader's position past its next row, n tokens of the row groups it has packed
+    (loader.lengths: the tokens of each, from its position on), with the epoch's counts."""
+    # a row that crosses the end of an epoch counts for the one it began in
+    loader.epoch_batches += 1
+    while n:
+        used = min(n, loader.lengths[0] - loader.offset)
+        n -= used
+        loader.offset += used
+        loader.epoch_tokens += used
+        # row group used up: the state names the next one
+        if loader.offset == loader.lengths[0]:
+            loader.lengths.popleft()
+            loader.pos += 1
+            loader.offset = 0
+            if loader.pos == len(loader.groups):
+                end_epoch(loader)
+
+
+def end_epoch(loader):
+    """The rank's row groups are used up: a new epoch (cycle), else the end of the stream."""
+    if loader.cycle:
+        files = len({file for file, _ in loader.groups})
+        print(f"DataLoader rank {loader.rank}: epoch {loader.epoch} is used up (row groups: "
+              f"{len(loader.groups)}, files: {files}, tokens: {loader.epoch_tokens:,}, batches "
+              f"served: {loader.epoch_batches}); epoch {loader.epoch + 1} starts: its documents "
+              "are seen again", flush=True)
+    loader.pos = loader.epoch_tokens = loader.epoch_batches = 0
+    loader.epoch += 1
+
+
 def restore(loader, state, row_groups):
     """Move a new loader to `state`: its own state_dict() (or [it]), or every rank's state of a
     run with another world size, continued after the furthest row group any rank had begun
-    (continue_loader, which counts the documents skipped)."""
+    (continue_loader, which counts the documents skipped). Returns the documents of the row group
+    it resumes in, read now (and the next `prefetch` queued), or None where none was begun."""
     if isinstance(state, list):
         if len(state) != 1 or state[0]["world_size"] != loader.world_size:
             continued = continue_loader(loader, state)
             loader.epoch, loader.pos, loader.skipped_documents = continued
-            return
+            return None
         state = state[0]
     check_state(loader, state, row_groups)
     loader.epoch = state["epoch"]
@@ -48,10 +82,11 @@ def restore(loader, state, row_groups):
     loader.epoch_tokens = state["epoch_tokens"]
     loader.epoch_batches = state["epoch_batches"]
     # the row group it names, tokenized (and the next `prefetch` queued), as the loader has it
-    loader.tokens = loader.load()
-    if not 0 <= loader.offset < len(loader.tokens):
-        raise ValueError(f"loader state {state}: offset outside the row group "
-                         f"({len(loader.tokens)} tokens)")
+    documents = loader.load(loader.pos)
+    tokens = sum(1 + len(ids) for ids in documents)
+    if not 0 <= loader.offset < tokens:
+        raise ValueError(f"loader state {state}: offset outside the row group ({tokens} tokens)")
+    return documents
 
 
 def check_state(loader, state, row_groups):
@@ -95,9 +130,11 @@ def continue_loader(loader, states):
     ahead = [i for i, group in enumerate(loader.groups) if group >= start[1:]]
     skipped = 0
     for r, (e, f, g), s in zip(range(W), beyond, states):
-        if s["offset"]:  # the documents of its row group it had not begun
-            tokens = loader.tokenize(loader.names.index(s["file"]), s["row_group"])
-            skipped += int((tokens[s["offset"]:] == loader.tokenizer.bos_id).sum())
+        if s["offset"]:  # the documents of its row group it had not begun: bos at or after offset
+            stream = []
+            for ids in loader.tokenize(loader.names.index(s["file"]), s["row_group"]):
+                stream += [loader.tokenizer.bos_id, *ids]
+            skipped += stream[s["offset"]:].count(loader.tokenizer.bos_id)
         while (e, f, g) < start:  # then its row groups nobody read
             skipped += loader.rows[f][g] if g % W == r else 0
             e, f, g = after(e, f, g)

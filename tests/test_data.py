@@ -257,6 +257,86 @@ def test_loader_cycle_says_so(numbers, two_files, capsys):
     assert rank1.state_dict()["epoch"] == 2
 
 
+def test_packed_chunks_by_hand():
+    """Each document as [bos] + its ids in one stream (bos = 0 here), cut into chunks that never
+    overlap; a resumed stream starts `skip` tokens in; a chunk reads only the documents it needs."""
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]  # the stream 0 1 2 3 0 4 5 0 6 7 8 9
+    assert list(data.packed_chunks(docs, 0, 5)) == [[0, 1, 2, 3, 0], [4, 5, 0, 6, 7], [8, 9]]
+    assert list(data.packed_chunks(docs, 0, 4)) == [[0, 1, 2, 3], [0, 4, 5, 0], [6, 7, 8, 9]]
+    assert list(data.packed_chunks(docs, 0, 5, skip=6)) == [[5, 0, 6, 7, 8], [9]]
+    assert list(data.packed_chunks(docs, 0, 3, skip=4)) == [[0, 4, 5], [0, 6, 7], [8, 9]]
+    read = []
+    chunks = data.packed_chunks((read.append(d) or d for d in docs), 0, 5)
+    assert next(chunks) == [0, 1, 2, 3, 0] and read == docs[:2]
+
+
+def reference_epoch(files, tok, rank, world_size):
+    """(the rank's token stream of one epoch, where each of its row groups starts in it)."""
+    starts, stream = [], []
+    for f, g in row_groups(files, rank, world_size):
+        starts.append(len(stream))
+        stream += [t for text in docs_of(f, g) for t in [tok.bos_id] + tok.encode(text)]
+    return stream, starts
+
+
+@pytest.mark.parametrize("B,T,rank,world_size,prefetch", [
+    (1, 2, 0, 1, 1),  # chunks of 3 tokens: an epoch of 27 is exactly 9 of them
+    (2, 3, 0, 1, 2),  # chunks of 7: they cross row groups and epochs
+    (1, 4, 1, 2, 1),  # rank 1 of 2
+    (4, 8, 0, 2, 1),  # chunks of 33, twice the rank's epoch of 16: one crosses two epoch ends
+])
+def test_loader_batches_states_and_epoch_lines_follow_the_packed_stream(
+        numbers, tmp_path, capsys, B, T, rank, world_size, prefetch):
+    """The authors' packing computed here from the documents: batch k is tokens [kL, (k+1)L) of
+    the rank's stream, cycled (L = B*T+1); the state after it is where token (k+1)L lies (epoch,
+    file, row group, offset), with the epoch's tokens read and batches begun; an epoch's line
+    comes with the batch that reads its last token. A loader resumed from any of those states
+    gives the same batches, states and lines after it."""
+    texts = ["1 2 3", "4 5", "6 7 8 9", "10", "11 12 13 14 15"]
+    files = [write_parquet(tmp_path / "a.parquet", texts),
+             write_parquet(tmp_path / "b.parquet", ["16 17", "18 19 20"], row_group_size=1)]
+    groups = row_groups(files, rank, world_size)
+    stream, starts = reference_epoch(files, numbers, rank, world_size)
+    E, L = len(stream), B * T + 1
+    n = 3 * E // L + 2  # three epochs and more
+
+    def want(k):
+        """Batch k (x, y), the state after it, and the lines it prints."""
+        chunk = [stream[i % E] for i in range(k * L, (k + 1) * L)]
+        end = (k + 1) * L
+        epoch, at = divmod(end, E)
+        pos = max(i for i, s in enumerate(starts) if s <= at)
+        state = {"epoch": epoch, "file": os.path.basename(groups[pos][0]),
+                 "row_group": groups[pos][1], "offset": at - starts[pos], "rank": rank,
+                 "world_size": world_size, "epoch_tokens": at,
+                 "epoch_batches": sum(1 for j in range(k + 1) if j * L >= epoch * E)}
+        lines = "".join(
+            f"DataLoader rank {rank}: epoch {e - 1} is used up (row groups: {len(groups)}, files: "
+            f"{len({f for f, _ in groups})}, tokens: {E:,}, batches served: "
+            f"{sum(1 for j in range(k + 1) if (e - 1) * E <= j * L < e * E)}); epoch {e} starts: "
+            "its documents are seen again\n" for e in range(k * L // E + 1, end // E + 1))
+        xy = torch.tensor(chunk[:-1]).view(B, T), torch.tensor(chunk[1:]).view(B, T)
+        return xy, state, lines
+
+    loader = data.DataLoader(files, numbers, B, T, rank, world_size, prefetch=prefetch)
+    states = []
+    for k in range(n):
+        (x, y), state, lines = want(k)
+        x2, y2 = next(loader)
+        assert torch.equal(x2, x) and torch.equal(y2, y), k
+        assert loader.state_dict() == state and capsys.readouterr().out == lines, k
+        states.append(json.loads(json.dumps(state)))
+    assert states[-1]["epoch"] >= 3 and any(s["offset"] for s in states)
+    for k, state in enumerate(states):
+        resumed = data.DataLoader(files, numbers, B, T, rank, world_size, state=state,
+                                  prefetch=prefetch)
+        for j in range(k + 1, k + 4):
+            (x, y), state, lines = want(j)
+            x2, y2 = next(resumed)
+            assert torch.equal(x2, x) and torch.equal(y2, y), (k, j)
+            assert resumed.state_dict() == state and capsys.readouterr().out == lines, (k, j)
+
+
 def test_loader_matches_independent_stream(tok, embedded):
     B, T = 3, 64
     batches = take(data.DataLoader(embedded[:1], tok, B, T), 20)
