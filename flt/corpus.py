@@ -219,6 +219,12 @@ def open_parquet(path):
     return pf
 
 
+def row_groups(path):
+    """The number of row groups of a shard (open_parquet's checks first)."""
+    with open_parquet(path) as pf:
+        return pf.num_row_groups
+
+
 def read_texts(path, row_group):
     with open_parquet(path) as pf:
         try:

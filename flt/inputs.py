@@ -9,9 +9,10 @@ The order is the recipe's: the vocabulary sizes the model, the model's size sets
 the horizon sets how many FineWeb shards to fetch (num_shards=-1). So vocab_size comes first: it
 builds the embedded corpus and trains its BPE (cached: tokenizer() then loads it), or loads a
 named tokenizer; a BPE still to be trained on FineWeb's shards will have bpe_vocab_size ids. Under
-dry_run it reads the size from the settings alone (planning.planned_vocab): nothing is built or
-fetched. Every rank calls these before the process group exists (a download of many GB would
-outlast a collective's timeout); file locks make one process do each piece of work.
+dry_run it reads the size from the settings, or from your own data's BPE, trained in memory if no
+run has cached it (planning.planned_vocab): nothing is written or fetched. Every rank calls these
+before the process group exists (a download of many GB would outlast a collective's timeout); file
+locks make one process do each piece of work.
 """
 import functools
 import os

@@ -5,6 +5,7 @@ What a run will cost before it starts (the memory estimate, accelerators' peak F
 resumed run may change, the run directory's name, whether the batch splits into forwards). The recipe's
 arithmetic (the model's shape, gradient accumulation, the horizon) is train.py's own: it passes the results here.
 """
+import functools
 import math
 import os
 from collections import Counter
@@ -247,15 +248,58 @@ def training_shards(s, tokens):
 
 
 def planned_vocab(s):
-    """The vocabulary's size from the settings alone, for --dry_run: nothing is downloaded or trained."""
+    """The vocabulary's size for --dry_run, nothing downloaded or written: from the settings alone,
+    but your own data's BPE's, which may have fewer ids than bpe_vocab_size (own_tokenizer)."""
     tokenizer = s["tokenizer"]
     if s["dataset"] in tasks.TASKS:
         return tasks.tokenizer(tasks.task_of(s)).vocab_size
+    if tokenizer == "bpe" and owndata.is_own(s["dataset"]):
+        return own_tokenizer(s)[0].vocab_size
     if tokenizer == "bpe" or os.path.isfile(tokenizer):
         return s["bpe_vocab_size"] if tokenizer == "bpe" else data.load_tokenizer(tokenizer).vocab_size
     if "qwen3" in tokenizer.lower():
         return data.QWEN3_VOCAB
     raise ValueError(f"dry_run: tokenizer={tokenizer!r} is not a local file; give its tokenizer.json path")
+
+
+@functools.lru_cache(maxsize=None)
+def own_bpe(spec, val_spec, vocab_size, bos):
+    """The BPE the run trains on your training documents (data.bpe), trained in memory, once a
+    process, and never saved."""
+    tok = data.bpe([owndata.split(spec, val_spec)[0]], vocab_size)
+    return data.Tokenizer(tok, name="the BPE of your training documents", bos=bos)
+
+
+def own_tokenizer(s):
+    """--dry_run on your own data: (the tokenizer its run will use, which one), nothing written: a
+    tokenizer.json is loaded; "bpe" is the BPE a run cached for the corpus, else the one it would
+    train (bpe_vocab_size on the same training documents: the same tokens), trained in memory
+    (own_bpe); a hub name's file is the run's to download: (None, why)."""
+    spec, val_spec, tokenizer = s["dataset"], s["val_dataset"], s["tokenizer"]
+    vocab, bos = s["bpe_vocab_size"], s["bos_token"]
+    folder = owndata.cache_dir(spec, val_spec, s["data_dir"])
+    # where inputs.tokenizer has data.get_tokenizer cache the BPE: in the corpus's shard folder
+    cached = os.path.join(folder, f"tokenizer_bpe{vocab}.json")
+    if tokenizer == "bpe" and os.path.isfile(cached):
+        return data.load_tokenizer(cached, bos=bos), f"the run's BPE, cached: {cached}"
+    if tokenizer == "bpe":
+        tok = own_bpe(spec, val_spec, vocab, bos)
+        n_train = len(owndata.split(spec, val_spec)[0])
+        return tok, (f"the BPE the run would train, {tok.vocab_size:,} ids on the {n_train:,} "
+                     f"training documents: trained here in memory, not saved")
+    if os.path.isfile(tokenizer):
+        return data.load_tokenizer(tokenizer, bos=bos), f"tokenizer={tokenizer}"
+    return None, f"counted by the run, once it has {tokenizer}'s tokenizer.json"
+
+
+def own_data(s):
+    """--dry_run's lines on your own data: owndata.describe's, with the tokens of the tokenizer its
+    run will use (own_tokenizer), and which that is."""
+    tok, source = own_tokenizer(s)
+    described = owndata.describe(s["dataset"], s["val_dataset"], tok)
+    if tok is None:
+        return f"{described} (tokens: {source})"
+    return f"{described}\n              (tokens of {source})"
 
 
 def plan(s, model, params, horizon_tokens, steps, world_size=1):
@@ -275,7 +319,9 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
     shards = training_shards(s, tokens) if s["dataset"] == "fineweb" else 0
     peak = peak_flops(name)
     hours = {m: flops * tokens / (gpus * peak * m) / 3600 for m in (0.30, 0.45)} if peak else {}
-    return (f"run plan for {s['out_dir']} (nothing downloaded or trained)\n"
+    # your own data's BPE may be trained to count its tokens, in memory: nothing is written
+    done = "written" if owndata.is_own(s["dataset"]) else "trained"
+    return (f"run plan for {s['out_dir']} (nothing downloaded or {done})\n"
             f"  model       {config.variant}, K={config.loops}, depth {s['depth']} (d_model {config.n_embd}, "
             f"{config.n_head} heads, {config.n_kv_head} kv), vocab {config.vocab_size:,} "
             f"(padded {config.padded_vocab:,})\n"
@@ -287,8 +333,7 @@ def plan(s, model, params, horizon_tokens, steps, world_size=1):
                                  f"{(shards + 1) * corpus.SHARD_GB:.1f} GB, ~{shards * corpus.SHARD_TOKENS:.2e} tokens "
                                  f"for {tokens:.2e}" if shards else "the embedded corpus"
                                  if s["dataset"] == "embedded" else
-                                 f"{owndata.describe(s['dataset'], s['val_dataset'])} (tokens: once its "
-                                 f"tokenizer is there)" if owndata.is_own(s["dataset"]) else
+                                 own_data(s) if owndata.is_own(s["dataset"]) else
                                  f"{s['dataset']} items, generated from the seed") + "\n"
             f"  memory/GPU  device_batch_size={s['device_batch_size']}, {dtype}, {gpus} GPUs (estimate, GiB):\n"
             f"              eager {gib[False, False]:.1f}, checkpoint_loops {gib[False, True]:.1f}; "

@@ -1,7 +1,8 @@
 """Your own text as train.py's dataset (flt/owndata.py): a folder, a file or a glob of .txt, .md,
 .jsonl and .parquet; validation held out by each document's hash (or --val_dataset), no document
 on both sides; the user's files only read; a changed corpus gets new shards and a BPE of its own;
-eval.py scores min(bpb_tokens, all) of the held-out tokens, whatever the row groups."""
+--dry_run counts the run's tokens, writing nothing; eval.py scores min(bpb_tokens, all) of the
+held-out tokens, whatever the row groups."""
 import hashlib
 import json
 import os
@@ -14,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import data
-from flt import owndata
+from flt import owndata, planning
 from test_nothing_lost import tree
 from test_train import ROOT, losses, python
 
@@ -104,21 +105,39 @@ def test_a_changed_corpus_gets_new_shards_and_the_same_one_finds_its_own(mixed, 
     assert os.path.dirname(second[0]) != os.path.dirname(first[0])  # and so is its BPE's path
 
 
-def test_a_run_on_your_folder_reads_it_only_and_says_what_it_trained_on(mixed, tmp_path, data_dir):
+def test_a_run_on_your_folder_reads_it_only_and_its_dry_run_counts_the_same_tokens(mixed, tmp_path):
+    """--dry_run writes nothing (no data_dir made, your folder untouched) and prints the files,
+    documents and tokens the run then prints: before the run, with the BPE it would train (trained
+    in memory); after it, with the BPE the run cached, and that data_dir stays byte for byte."""
     before = tree(mixed)
-    root = tmp_path / "out"
-    args = [f"--dataset={mixed}", f"--out_root={root}", f"--data_dir={tmp_path / 'own_data_dir'}",
+    root, own_dir = tmp_path / "out", tmp_path / "own_data_dir"
+    args = [f"--dataset={mixed}", f"--out_root={root}", f"--data_dir={own_dir}",
             "--num_steps=4", "--save_interval=4", "--sample_tokens=0"]
+
+    def your_data(stdout):
+        [line] = [line for line in stdout.splitlines() if f"your data: {mixed}: " in line]
+        return line[line.index("your data: "):]
     p = python("train.py", *TINY_NO_DATA, *args, "--dry_run")
     assert p.returncode == 0, p.stderr
-    assert f"your data: {mixed}: 42 files" in p.stdout and "(tokens: once its tokenizer is there)" in p.stdout
-    assert not (tmp_path / "own_data_dir").exists()  # a dry run writes nothing
+    trained = r"\(tokens of the BPE the run would train, \d+ ids on the \d+ training documents: "
+    assert re.search(trained + "trained here in memory, not saved", p.stdout)
+    planned = your_data(p.stdout)
+    assert f"your data: {mixed}: 42 files" in planned and " tokens; validation " in planned
+    assert not own_dir.exists() and tree(mixed) == before  # a dry run writes nothing
+    params = re.search(r"parameters  ([\d,]+) all", p.stdout).group(1)
     p = python("train.py", *TINY_NO_DATA, *args)
     assert p.returncode == 0, p.stderr
+    assert your_data(p.stdout) == planned  # the same files, documents and tokens of each side
+    assert f"3 loops, {params} parameters" in p.stdout  # the BPE's vocabulary sized both models
     out = root / "d1_flt_k3_mine"  # the run's name carries the dataset's
     assert tree(mixed) == before  # not a byte changed, nothing added or removed
     n_val = sum(map(held_out_by_hand, map(document, range(120))))
     assert f"training {120 - n_val} documents, " in p.stdout and f"validation (1 in 20 by hash) {n_val} documents, " in p.stdout
+    written = tree(own_dir)
+    p = python("train.py", *TINY_NO_DATA, *args, "--dry_run")
+    assert p.returncode == 0, p.stderr
+    assert your_data(p.stdout) == planned and "(tokens of the run's BPE, cached: " in p.stdout
+    assert tree(own_dir) == written and tree(mixed) == before
     assert sorted(losses(out)[0]) == [0, 1, 2, 3]
     # eval.py scores the same held-out documents: the conversion's val.parquet
     p = python("eval.py", str(out), "--modes=bpb", "--loops=3", "--bpb_tokens=512", "--device=cpu")
@@ -126,6 +145,29 @@ def test_a_run_on_your_folder_reads_it_only_and_says_what_it_trained_on(mixed, t
     measured = json.loads((out / "step_000004" / "eval.json").read_text())
     held = [json.dumps(v) for v in measured.values()]
     assert any("val.parquet" in h for h in held), measured
+
+
+def test_the_dry_runs_bpe_is_the_one_the_run_trains(mixed, tmp_path):
+    """planning.own_tokenizer's BPE, trained in memory on the training documents, writes nothing and
+    has the ids, and gives the tokens, of the BPE a run trains on their shards (data.get_tokenizer),
+    at a vocabulary the corpus fills (300) and one it cannot (512: fewer ids); once a run has cached
+    its BPE, a dry run counts with that."""
+    s = {"dataset": str(mixed), "val_dataset": "", "data_dir": str(tmp_path / "data"),
+         "tokenizer": "bpe", "bos_token": data.BOS}
+    planned = {v: planning.own_tokenizer(s | {"bpe_vocab_size": v}) for v in (300, 512)}
+    assert not os.path.exists(s["data_dir"])
+    train_docs = owndata.split(str(mixed), "")[0]
+    shards = owndata.prepare(str(mixed), "", s["data_dir"])[:-1]
+    for vocab, (tok, source) in planned.items():
+        assert "trained here in memory, not saved" in source
+        run = data.get_tokenizer("bpe", os.path.dirname(shards[0]), shards, vocab)
+        assert tok.vocab_size == run.vocab_size
+        # 512 is more than this corpus has merges for
+        assert (tok.vocab_size < vocab) == (vocab == 512)
+        assert tok.encode_batch(train_docs) == run.encode_batch(train_docs)
+        cached, source = planning.own_tokenizer(s | {"bpe_vocab_size": vocab})
+        assert source.startswith("the run's BPE, cached: ")
+        assert cached.encode_batch(train_docs) == run.encode_batch(train_docs)
 
 
 TINY_NO_DATA = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4",
