@@ -55,8 +55,7 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
     transposed = X.size(0) > X.size(1)
     if transposed:
         X = X.mT
-    # The Frobenius norm bounds the spectral norm, so this puts all s in [0, 1],
-    # inside the region where the iteration converges.
+    # The Frobenius norm bounds the spectral norm: every s in [0, 1], where the iteration converges
     X = X / (X.norm() + eps)
     for _ in range(steps):
         A = X @ X.mT
@@ -150,7 +149,8 @@ class _Sharded(torch.optim.Optimizer):
         self._update(reduced)
         for work, full, params in self._gathers:
             work.wait()
-            # zip stops at the last parameter: the zero padding after it is dropped
+            # full (world_size * size): AdamW's one p flat, or Muon's block of same-shape p's, then
+            # zeros; each p is params[0].numel() long, so zip stops before the padding
             for p, new in zip(params, full.split(params[0].numel())):
                 p.copy_(new.view_as(p))
         self._gathers = []
