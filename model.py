@@ -10,10 +10,13 @@ norm/RoPE, attention, MLP, block, the two variant choices, the model. GPT.loop_s
 loop; decoding runs the same loop with its KV cache and the exit rule (flt/decoding.py:
 cached_loops), drafting with fewer loops is flt/drafting.py.
 
-Five variants, two choices, one loop body (GPT.loop_states); loops count t = 1..K, and loop 1
-is plain in every variant (GPT.loop_start); for loop t >= 2:
+The paper's five variants (VARIANTS), two choices, one loop body (GPT.loop_states); loops count
+t = 1..K, and loop 1 is plain in every variant (GPT.loop_start); for loop t >= 2:
   restart(variant, e, x0, h_prev)  its start: h_prev (LT), norm(e + h_prev) (LT_i), x0 = norm(e)
-  injection(variant, layer)        how each layer sees h_prev: None, "attn" (injection) or "res"
+  injection(variant, layer)        how each layer sees h_prev: one of INJECTIONS, which
+                                   Block.forward interprets
+A new variant is a name in VARIANTS, its rule in restart and injection, and its row in the
+float64 reference (tests/test_model.py: REFERENCE_RULES); docs/tour.md walks through one.
 """
 import math
 from contextlib import nullcontext
@@ -197,19 +200,28 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, h_prev=None, inject=None, cache=None):
-        # FLT_res: add the previous loop's output to the stream, renormalise
+        """One layer; inject, one of INJECTIONS, is how it sees h_prev = h(t-1). These branches
+        are the only reading of those names."""
+        # "res" (FLT_res): add the previous loop's output to the stream, renormalise
         if inject == "res":
             x = norm(x + h_prev)
         kv_in = norm(x)
-        # attention injection: queries from h(t-1), already norm(stream) (norm is idempotent)
+        # "attn", Attention Injection (Sec. 4.2): queries from h(t-1), already norm(stream)
+        # (norm is idempotent)
         q_in = h_prev if inject == "attn" else kv_in
         x = x + self.attn(q_in, kv_in, rope, cache)
         return x + self.mlp(norm(x))
 
 
 # ------------------------------------------------------------------------------------------------
-# The five variants as data (the paper's Sec. 4): loop 1 is plain for all of them; for loops
-# t >= 2, where the stream restarts and which layers see h(t-1).
+# The variants as data (the paper's Sec. 4): loop 1 is plain for all of them; for loops t >= 2,
+# where the stream restarts and which layers see h(t-1).
+
+# How a layer may see h(t-1), the names injection returns and Block.forward interprets: None
+# (plain), "attn" (Attention Injection, Sec. 4.2: its queries from h(t-1)), "res" (FLT_res:
+# the stream becomes norm(x + h(t-1)) before the layer). A new kind is a new branch there.
+INJECTIONS = (None, "attn", "res")
+
 
 def restart(variant, e, x0, h_prev):
     """The stream at the start of loop t >= 2; x0 = norm(e) is where loop 1 started."""
@@ -225,7 +237,7 @@ def restart(variant, e, x0, h_prev):
 
 def injection(variant, layer):
     """How layer `layer` (0 = the first) sees h(t-1) in loops t >= 2 (loop 1 is plain for every
-    variant: GPT.loop_start asks only from loop 2 on): "attn", "res" or None (plain)."""
+    variant: GPT.loop_start asks only from loop 2 on): one of INJECTIONS."""
     if variant == "FLT" or (variant == "LT_ai" and layer == 0):
         return "attn"
     return "res" if variant == "FLT_res" else None
@@ -282,7 +294,7 @@ class GPT(nn.Module):
                 nn.init.uniform_(p, -s, s)
 
     def loop_states(self, idx, loops=None, bptt_loops=None):
-        """The loop (Sec. 4), one body for all five variants. Returns Loops: the states
+        """The loop (Sec. 4), one body for every variant. Returns Loops: the states
         [h(1), ..., h(K)] of one pass, h(t) = norm(stream after loop t), each a prediction point
         (head). bptt_loops: truncated backprop, only the last bptt_loops loops learn (None: all).
         Decoding runs the same loop with a KV cache, the exit rule and the draft's partial passes:

@@ -30,7 +30,7 @@ errors.install("train.py")
 
 # ----------------------------------------------------------------------------- settings
 # The loop (Sec. 4): where each of the K loops starts, what it injects (model.py)
-variant = "FLT"             # LT | LT_i | LT_ai | FLT_res | FLT
+variant = "FLT"             # one of model.py's VARIANTS: where loops restart, what they inject
 loops = 3                   # K
 loss_all_loops = False
 # K sampled per step (evaluation runs at `loops`)

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from test_model import ATTENTION, ATTENTION_EXTRA, VARIANTS, greedy_by_full_forward, make_model, random_tokens, ref_rope, ref_windows
+from test_model import (ATTENTION, ATTENTION_EXTRA, REFERENCE_RULES, VARIANTS,
+                        greedy_by_full_forward, make_model, random_tokens, ref_rope, ref_windows)
 from test_padded_generate import left_padded, prompts
 from flt.decoding import LoopSpan, cached_loops
 from model import KVCache
@@ -46,6 +47,8 @@ def slot_reference(model, idx, prefill, K, m, threshold=None):
     cfg, W = model.config, {k: v.detach().double() for k, v in model.state_dict().items()}
     H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
     past = []  # past[j][t][layer] = (k, v) of token j at loop t, each (B, Hkv, hd)
+    # the variant's rule as tests/test_model.py: REFERENCE_RULES reads Sec. 4 (KeyError if missing)
+    ref_restart, ref_injection = REFERENCE_RULES[cfg.variant]
     outs, kls = [], []
     for p, q in [(0, prefill)] + [(n, n + 1) for n in range(prefill, idx.size(1))]:
         B, n = idx.size(0), q - p
@@ -58,15 +61,16 @@ def slot_reference(model, idx, prefill, K, m, threshold=None):
             if t == 0:
                 x = norm64(e)
             else:
-                x = {"LT": h_prev, "LT_i": norm64(e + h_prev)}.get(cfg.variant, norm64(e))
+                x = ref_restart(e, h_prev, norm64)
             own.append([])
             for layer, window in enumerate(ref_windows(cfg)):
                 a = f"transformer.h.{layer}.attn."
-                if t > 0 and cfg.variant == "FLT_res":
+                inject = ref_injection(layer) if t > 0 else None
+                if inject == "res":
                     x = norm64(x + h_prev)
-                inject = t > 0 and (cfg.variant == "FLT" or (cfg.variant == "LT_ai" and layer == 0))
                 kv_in = norm64(x)
-                qv = ((h_prev if inject else kv_in) @ W[a + "c_q.weight"].T).view(B, n, H, hd)
+                q_in = h_prev if inject == "attn" else kv_in
+                qv = (q_in @ W[a + "c_q.weight"].T).view(B, n, H, hd)
                 if cfg.attn == "mla":
                     c = norm64(kv_in @ W[a + "c_kv_down.weight"].T)
                     k, v = c @ W[a + "c_k_up.weight"].T, c @ W[a + "c_v_up.weight"].T

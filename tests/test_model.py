@@ -1,10 +1,10 @@
-"""Tests for model.py: the looped backbone, its five loop variants and its KV cache (flt/decoding.py).
+"""Tests for model.py: the looped backbone, its loop variants and its KV cache (flt/decoding.py).
 
 The central check is `reference_forward`: an independent plain-torch (float64) rewrite
 of the paper's backbone and variants (Sec. 4) -- its own RMSNorm, RoPE, explicit-softmax attention with a mask,
-and the per-variant restart / injection logic -- run on the model's own weights. Most
-other tests compare the model against itself (cache vs. full forward, checkpointing vs.
-not, one pass vs. separate passes).
+and the per-variant restart / injection rules (REFERENCE_RULES) -- run on the model's own
+weights. Most other tests compare the model against itself (cache vs. full forward,
+checkpointing vs. not, one pass vs. separate passes).
 
 After `init_weights()` every output projection is zero, so each block is the identity
 and many equalities would hold trivially; `randomize_` therefore redraws *every* weight
@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import config_for_depth
-from model import ROPE_SPAN, GPT, GPTConfig, KVCache, apply_rotary
+from model import INJECTIONS, ROPE_SPAN, VARIANTS, GPT, GPTConfig, KVCache, apply_rotary, injection
 from flt.runtime import precision
 
-VARIANTS = ["LT", "LT_i", "LT_ai", "FLT_res", "FLT"]
 SEQ_LEN = 32  # sliding window w = SEQ_LEN // 4 = 8, shorter than the sequences below
 VOCAB = 100  # padded to 128
 ATTENTION = {
@@ -118,6 +117,19 @@ def ref_windows(cfg):
     return [cfg.sequence_len // 4 if c == "S" else None for c in pattern]
 
 
+# The references' own reading of Sec. 4, written apart from model.py's restart and injection: per
+# variant, where loop t >= 2 starts (from e, h(t-1) and the reference's norm) and how layer i sees
+# h(t-1) (a name of model.py: INJECTIONS). Indexed, never .get(): a variant of model.VARIANTS
+# missing here fails with a KeyError (and test_reference_rules_cover_every_variant), not a default.
+REFERENCE_RULES = {
+    "LT": (lambda e, h, norm: h, lambda i: None),
+    "LT_i": (lambda e, h, norm: norm(e + h), lambda i: None),
+    "LT_ai": (lambda e, h, norm: norm(e), lambda i: "attn" if i == 0 else None),
+    "FLT_res": (lambda e, h, norm: norm(e), lambda i: "res"),
+    "FLT": (lambda e, h, norm: norm(e), lambda i: "attn"),
+}
+
+
 def reference_forward(model, cfg, idx, loops):
     """Returns (per-loop logits, per-loop h(t), per-loop pre-norm streams), float64."""
     W = {k: v.detach().double() for k, v in model.state_dict().items()}
@@ -153,12 +165,16 @@ def reference_forward(model, cfg, idx, loops):
         p = f"transformer.h.{layer}.mlp."
         return torch.relu(u @ W[p + "c_fc.weight"].T).pow(2) @ W[p + "c_proj.weight"].T
 
-    def block(layer, x, h_prev=None):
-        # h_prev given = Attention Injection: queries from the previous loop's output.
-        q_in = ref_norm(x) if h_prev is None else ref_norm(h_prev)
+    def block(layer, x, h_prev=None, inject=None):
+        # "res": the stream becomes norm(x + h(t-1)) first (FLT_res)
+        if inject == "res":
+            x = ref_norm(x + h_prev)
+        # "attn", Attention Injection: queries from the previous loop's output
+        q_in = ref_norm(h_prev) if inject == "attn" else ref_norm(x)
         x = x + attn(layer, q_in, ref_norm(x))
         return x + mlp(layer, ref_norm(x))
 
+    ref_restart, ref_injection = REFERENCE_RULES[cfg.variant]
     e = W["transformer.wte.weight"][idx]
     hs, streams = [], []
     for t in range(1, loops + 1):
@@ -166,16 +182,12 @@ def reference_forward(model, cfg, idx, loops):
             x = ref_norm(e)
         else:
             h_prev = hs[-1]
-            x = {"LT": h_prev, "LT_i": ref_norm(e + h_prev)}.get(cfg.variant, ref_norm(e))
+            x = ref_restart(e, h_prev, ref_norm)
         for layer in range(cfg.n_layer):
             if t == 1:
                 x = block(layer, x)
-            elif cfg.variant == "FLT_res":
-                x = block(layer, ref_norm(x + h_prev))
-            elif cfg.variant == "FLT" or (cfg.variant == "LT_ai" and layer == 0):
-                x = block(layer, x, h_prev)
             else:
-                x = block(layer, x)
+                x = block(layer, x, h_prev, ref_injection(layer))
         streams.append(x)
         hs.append(ref_norm(x))
     logits = [15 * torch.tanh((h @ W["lm_head.weight"].T) / 15)[..., : cfg.vocab_size] for h in hs]
@@ -277,6 +289,41 @@ def test_variants_differ_beyond_first_loop(attention, loops):
 
 # ----------------------------------------------------------------------------------
 # 3. Every variant matches the independent reference
+
+
+def test_reference_rules_cover_every_variant():
+    """A variant added to model.VARIANTS needs its row in REFERENCE_RULES (the third place)."""
+    missing = set(VARIANTS) - REFERENCE_RULES.keys()
+    assert not missing, f"add {sorted(missing)} to tests/test_model.py: REFERENCE_RULES"
+    assert REFERENCE_RULES.keys() <= set(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_injection_names_a_kind_the_block_reads(variant):
+    """model.py: injection returns only names of INJECTIONS (Block.forward reads no others), the
+    ones the reference's rule gives, at every layer of a deep model."""
+    ref_injection = REFERENCE_RULES[variant][1]
+    for layer in range(12):
+        kind = injection(variant, layer)
+        assert kind in INJECTIONS, f"injection({variant!r}, {layer}) = {kind!r}"
+        assert kind == ref_injection(layer), (variant, layer)
+
+
+def test_every_injection_kind_is_its_own_branch():
+    """Block.forward reads each name of INJECTIONS as a different layer: a name without its own
+    branch would be the plain layer."""
+    model = make_model("FLT")
+    block = model.transformer.h[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 64, generator=g)
+    h_prev = ref_norm(torch.randn(2, 8, 64, generator=g))
+    rope = (model.cos[:8], model.sin[:8])
+    with torch.no_grad():
+        outs = {kind: block(x, rope, h_prev, kind) for kind in INJECTIONS}
+    for a in INJECTIONS:
+        for b in INJECTIONS:
+            if a != b:
+                assert (outs[a] - outs[b]).abs().max() > 1e-3, f"injections {a!r} and {b!r} agree"
 
 
 @pytest.mark.parametrize("attention", list(ATTENTION) + list(ATTENTION_EXTRA))

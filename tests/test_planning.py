@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from flt import planning
 from flt import runtime
 from conftest import config_for_depth
-from model import GPT, GPTConfig
+from model import VARIANTS, GPT, GPTConfig
 from optim import build_optimizers, reduce_gradients
 from flt.planning import PEAK_FLOPS, estimate_memory, peak_flops
 from flt.runtime import precision, resolve_dtype
@@ -187,7 +187,7 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(horizon_params="some"), "horizon_params='some': expected 'all' or 'non_embedding'"),
     (dict(compile="maybe"), "compile='maybe': expected 'auto' or 'on' or 'off'"),
     (dict(dtype="fp16"), "dtype='fp16': expected 'bf16' or 'fp32' (or 'auto'"),
-    (dict(variant="XL"), "variant='XL': expected 'LT' or 'LT_i' or 'LT_ai' or 'FLT_res' or 'FLT'"),
+    (dict(variant="XL"), "variant='XL': expected " + " or ".join(map(repr, VARIANTS))),
     (dict(total_batch_size=100), "total_batch_size=100 is not a multiple of device_batch_size * sequence_len * "
                                  "world_size = 2048"),
     (dict(watch_layer=3), "watch_layer=3: expected a layer index below depth=3"),
