@@ -69,7 +69,7 @@ class Tokenizer:
     def token_bytes(self, count="authors"):
         """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (what the
         paper reports; their get_token_bytes): len(decode([id]).encode()), 0 for every added
-        token, so part of a multi-byte character counts 3 (U+FFFD). "utf8": the true bytes (in
+        token, so a split character counts 3 per U+FFFD (2 stray bytes: 6). "utf8": true bytes (in
         byte-level BPE one per character of the token string), 0 for special tokens only."""
         if count not in ("authors", "utf8"):
             raise ValueError(f"token_bytes: count must be 'authors' or 'utf8', got {count!r}")
@@ -282,8 +282,8 @@ class DataLoader:
 def protocol_chunks(files, tokenizer, seq_len, n_tokens, ranks, batch, rank=0, world=1):
     """(this process's share of the chunks, chunks requested): the validation chunks an
     evaluation on `ranks` processes at device batch `batch` scores, as the authors' loader cuts
-    them. Simulated rank r streams its own row groups (DataLoader), cut into (x, y) chunks of
-    batch * seq_len + 1 tokens, and scores the first n_tokens // (ranks * batch * seq_len) of
+    them. Simulated rank r streams its own row groups (DataLoader), in (x, y) chunks of
+    batch * seq_len + 1 tokens, scoring the first max(1, n_tokens // (ranks * batch * seq_len)) of
     them, or all of them if its row groups end sooner (never a second pass). The ranks' chunks,
     in order, are shared among the `world` processes in contiguous runs: any split gives the
     same sums."""

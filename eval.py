@@ -250,7 +250,8 @@ def longest_input(model):
 def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_threshold=None):
     """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
     for [(tokens, s)], each scoring its span tokens[s:]; batch_size sequences per forward, but
-    never more than batch_size * sequence_len tokens. exit_threshold: the KL exit rule."""
+    at most batch_size * sequence_len tokens unless one is longer (then alone). exit_threshold:
+    the KL exit rule."""
     device = next(model.parameters()).device
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}

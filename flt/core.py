@@ -73,7 +73,7 @@ def task_sequences(tokenizer, task, items, idx, max_len):
 def length_batches(seqs, batch_size, sequence_len):
     """The indices of [(tokens, s)] in batches, sorted by length (each the longest of its batch):
     batch_size sequences per batch, but never more than batch_size * sequence_len tokens once
-    padded to the longest."""
+    padded to the longest, unless one sequence is longer: it is a batch alone."""
     lengths = [len(tokens) for tokens, _ in seqs]
     batches, budget = [], batch_size * sequence_len
     for i in sorted(range(len(seqs)), key=lengths.__getitem__):

@@ -4,7 +4,7 @@ The headline command, `torchrun train.py config/flt_base.py`, checked on the mac
     python -m scripts.torchrun_check --tiny --device=cpu     # the same steps, tiny, 2 gloo ranks
 The steps, each a process as a user would start it:
   train   torchrun train.py config/flt_base.py at 2**19 tokens a step (gradient accumulation makes
-          up what the device batch does not), `steps` optimizer steps, a checkpoint every two
+          up what the device batch does not), `steps` steps, a checkpoint halfway and at the end
   resume  a copy of that run at its first checkpoint, continued with --resume=auto: its next
           steps' losses against the uninterrupted run's
   eval    eval.py on the trained run (bf16 on CUDA): its bpb against training's last validation
@@ -35,7 +35,7 @@ from flt.runtime import atomic_write
 
 device = "cuda"             # cuda; cpu only with --tiny
 tiny = False                # a tiny model on 2 gloo ranks: what the test suite runs on CPU
-steps = 4                   # optimizer steps of the uninterrupted run (even: checkpoints every 2)
+steps = 4                   # the uninterrupted run's optimizer steps (even: a checkpoint halfway)
 device_batch_size = 8       # sequences per forward on the GPU (config/paper.py's; --dry_run plans it)
 data_dir = "data"           # the embedded corpus and its BPE (built here if absent)
 out_dir = "out/torchrun_check"  # the runs, their consoles and the JSON
