@@ -152,7 +152,9 @@ class CausalSelfAttention(nn.Module):
             self.c_v = nn.Linear(d, kv_dim, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, q_in, kv_in, rope, cache=None):
+    def forward(self, q_in, kv_in, rope, kv_update=None):
+        """kv_update: decoding's KVCache.update for this layer and loop, (k, v, window) -> (every
+        key and value so far, their mask); None: the keys and values of kv_in's tokens only."""
         B, T, _ = q_in.shape
         q = self.c_q(q_in).view(B, T, self.n_head, self.head_dim)
         if self.mla:
@@ -164,19 +166,19 @@ class CausalSelfAttention(nn.Module):
         # RoPE, then QK-norm
         q, k = norm(apply_rotary(q, *rope)), norm(apply_rotary(k, *rope))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        if cache is None:
+        if kv_update is None:
             # full attention: is_causal (the flash kernel's path); a sliding window: its mask
             mask = None
             if self.window is not None:
                 mask = attention_mask(T, T, 0, self.window, q.device)
         else:
             # decoding: append this step's keys/values, attend over all so far (KVCache.update)
-            k, v, mask = cache(k, v, self.window)
+            k, v, mask = kv_update(k, v, self.window)
         gqa = self.n_kv_head != self.n_head
         if gqa and mask is not None:
             # enable_gqa with a mask would fall back to the math kernel
             k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))
-        causal = cache is None and mask is None
+        causal = kv_update is None and mask is None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=gqa and mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -199,17 +201,17 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, window)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, h_prev=None, inject=None, cache=None):
+    def forward(self, x, rope, h_prev=None, inject=None, kv_update=None):
         """One layer; inject, one of INJECTIONS, is how it sees h_prev = h(t-1). These branches
-        are the only reading of those names."""
+        are the only reading of those names. kv_update: decoding's (CausalSelfAttention)."""
         # "res" (FLT_res): add the previous loop's output to the stream, renormalise
         if inject == "res":
             x = norm(x + h_prev)
         kv_in = norm(x)
-        # "attn", Attention Injection (Sec. 4.2): queries from h(t-1), already norm(stream)
-        # (norm is idempotent)
+        # "attn", Attention Injection (Sec. 4.2): queries from h(t-1) as it is, since it is
+        # already a norm(stream), h(t-1) = norm(x)
         q_in = h_prev if inject == "attn" else kv_in
-        x = x + self.attn(q_in, kv_in, rope, cache)
+        x = x + self.attn(q_in, kv_in, rope, kv_update)
         return x + self.mlp(norm(x))
 
 
@@ -232,15 +234,19 @@ def restart(variant, e, x0, h_prev):
     if variant == "LT_i":
         return norm(e + h_prev)
     # LT_ai, FLT_res, FLT: every loop starts from norm(e)
-    return x0
+    if variant in ("LT_ai", "FLT_res", "FLT"):
+        return x0
+    raise ValueError(f"restart: no rule for variant {variant!r}")
 
 
 def injection(variant, layer):
     """How layer `layer` (0 = the first) sees h(t-1) in loops t >= 2 (loop 1 is plain for every
     variant: GPT.loop_start asks only from loop 2 on): one of INJECTIONS."""
-    if variant == "FLT" or (variant == "LT_ai" and layer == 0):
-        return "attn"
-    return "res" if variant == "FLT_res" else None
+    # LT, LT_i: never; LT_ai: Attention Injection in the first layer, FLT: in every layer;
+    # FLT_res: h(t-1) added to the stream before every layer. A variant not here: a KeyError
+    kinds = {"LT": None, "LT_i": None, "LT_ai": "attn" if layer == 0 else None,
+             "FLT_res": "res", "FLT": "attn"}
+    return kinds[variant]
 
 
 class Loops(NamedTuple):
@@ -275,7 +281,7 @@ class GPT(nn.Module):
         | parameter                         | init                                   |
         |-----------------------------------|----------------------------------------|
         | transformer.wte                   | N(0, 1)                                |
-        | lm_head                           | N(0, 0.001)                            |
+        | lm_head                           | N(0, 0.001²): std 0.001                |
         | attn.c_q, c_k, c_v, c_kv_down     | U(-s, s), s = sqrt(3 / d_model)        |
         | attn.c_k_up, c_v_up (MLA)         | U(-s, s), s = sqrt(3 / kv_rank)        |
         | mlp.c_fc                          | U(-s, s), s = sqrt(3 / d_model)        |
@@ -310,11 +316,12 @@ class GPT(nn.Module):
         blocks = self.blocks
         if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
             blocks = partial(checkpoint, self.blocks, use_reentrant=False)
+        # truncated backprop (Huginn): loops 1..frozen run as constants, the last bptt_loops learn
+        frozen = K - (bptt_loops or K)
         hs, norms = [], []
         h_prev = None
         for t in range(1, K + 1):
-            # truncated backprop (Huginn): the loops before the last bptt_loops run as constants
-            with torch.no_grad() if t <= K - (bptt_loops or K) else nullcontext():
+            with torch.no_grad() if t <= frozen else nullcontext():
                 # where loop t starts and how each layer sees h(t-1): the variant's choices
                 x, injects = self.loop_start(t, e, x0, h_prev)
                 x = blocks(x, rope, h_prev, injects)

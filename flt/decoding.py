@@ -79,9 +79,9 @@ def cached_loops(model, idx, span, kv_cache=None, exit_threshold=None):
         x, injects = model.loop_start(t, e, x0, h_prev)
         for i, (block, inject) in enumerate(zip(model.transformer.h, injects)):
             # a layer's keys/values at loop t; positions that exited keep their exit loop's
-            update = partial(cache.update, t, i, done=exits.done)
+            kv_update = partial(cache.update, t, i, done=exits.done)
             # forward, not compile_regions' graphs: a cached step's shapes are its own (Decoder)
-            x = block.forward(x, rope, h_prev, inject, update)
+            x = block.forward(x, rope, h_prev, inject, kv_update)
         hs.append(model.norm(x))
         # exited positions keep their h; once none loops on, the rest of the K loops are copies
         if exits.update(t, hs):
@@ -174,6 +174,12 @@ class KVCache:
     def advance(self, n):
         """Past a forward's n tokens."""
         self.pos += n
+
+    def rewind(self, pos):
+        """Back to position pos (drafting): the entries from pos on are stale, and overwritten
+        before any query reads them. A StaticCache's position is a device tensor: written there,
+        no host read."""
+        self.pos = pos
 
     def slot(self, loop, layer, like):
         # loop t's slot, (t - 1) mod m

@@ -125,7 +125,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
                 fed.append(drafts[-1])
         # the verification: loops K_d+1..K of the n fed tokens in one forward, at their positions
         # (the draft steps left pos at start + n)
-        cache.pos = start
+        cache.rewind(start)
         rest = LoopSpan(K, start=K_d, h_start=torch.cat(states, 1))
         # a shorter last round runs uncompiled: its shape would be another graph
         logits = step(torch.cat(fed, 1), rest, eager=n < draft_len).logits
@@ -146,7 +146,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # draft is itself the K-loop token (no token after it: it was never fed)
         emitted = tokens[:, :min(m + 1, n)]
         # the invariant for the next round: every emitted token but the new last
-        cache.pos = start + emitted.size(1)
+        cache.rewind(start + emitted.size(1))
         token = emitted[:, -1:]
         counts["rounds"] += 1
         counts["drafted"] += n
