@@ -18,7 +18,7 @@ The metrics, each as the authors' scripts compute it (FuRuF-11/FullyLoopedTransf
 - WikiText-2 test perplexity: exp(mean NLL) (evaluate_ppl)
 - CORE (DCLM, nanochat's core_eval): the mean centered accuracy of the bundle's tasks, and
   Table 1's six downstream accuracies (evaluate_core)
-- tasks, beyond the paper: exact-match accuracy by difficulty on a synthetic reasoning task's
+- tasks, beyond the paper: per-answer accuracy by difficulty on a synthetic reasoning task's
   held-out items (evaluate_tasks; flt/tasks.py)
 Which tokens and items are scored never depends on this machine: batch_size and the number of
 processes change the speed only. The protocols, the modes and eval.json: docs/evaluation.md.
@@ -98,12 +98,12 @@ def loop_losses(model, idx, targets, loops_list, exit_threshold=None):
     loss 0, argmax -1): a CORE prompt's span is a few of its tokens. exit_threshold: the KL exit
     rule (flt/decoding.py: ExitRule), whose h(K) at budget K is that forward's too, since the rule
     at loop t reads only loops <= t."""
-    K = max(loops_list)
+    K_max = max(loops_list)
     if exit_threshold is None:
-        hs = model.loop_states(idx, K).states
+        hs = model.loop_states(idx, K_max).states
     else:
         # the exit rule runs decoding's loop
-        hs, _ = cached_loops(model, idx, LoopSpan(K), exit_threshold=exit_threshold)
+        hs, _ = cached_loops(model, idx, LoopSpan(K_max), exit_threshold=exit_threshold)
     scored = targets >= 0
     result = {}
     # the head, one K at a time: the (scored targets, vocab) logits are the big tensor
@@ -191,7 +191,7 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
 # ----------------------------------------------------------------------------- reasoning tasks
 @torch.no_grad()
 def evaluate_tasks(model, batches, levels, loops_list, progress=None):
-    """({K: {difficulty: exact-match accuracy}}, {K: over all answers}, {difficulty: answers}) on a
+    """({K: {difficulty: per-answer accuracy}}, {K: over all answers}, {difficulty: answers}) on a
     synthetic task's test batches (x, y, difficulty) (flt/tasks.py): the share of the answers
     (targets >= 0) of each difficulty in `levels` whose argmax is right, every K from one forward.
     All-reduced."""

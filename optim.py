@@ -232,7 +232,7 @@ class Muon(_Sharded):
 
 
 class AdamW(_Sharded):
-    """AdamW sharded over the ranks (ZeRO's sharded state; p.grad stays whole until zero_grad).
+    """AdamW sharded over the ranks (ZeRO-1: the state sharded, p.grad and p whole on each rank).
 
     The update is elementwise, so rank r updates just its slice of each parameter: viewed
     flat and cut into world_size slices of ceil(numel / world_size) elements (zero-padded),

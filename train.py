@@ -316,7 +316,7 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged over the ranks; one all-reduce sums the norms'
-    # shares with the loss, the last micro-batch's residual norm (for finiteness), guard's flags
+    # shares, the loss, guard's flags and each rank's largest residual norm (finite iff all are)
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()

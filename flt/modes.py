@@ -270,7 +270,7 @@ def sample_mode(settings, job):
 
 
 def tasks_mode(settings, job):
-    """A synthetic task's held-out items (flt/tasks.py), scored by exact match at each K
+    """A synthetic task's held-out items (flt/tasks.py), scored by per-answer accuracy at each K
     (Metrics.tasks). The checkpoint was trained on the task (eval_settings.check_checkpoint)."""
     task = tasks.task_of(job.trained)
     batches = task.batches(settings.task_items * task.item_len, settings.batch_size, job.rank,

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from conftest import run_module  # noqa: E402
 import data  # noqa: E402
 from flt import checkpoint  # noqa: E402
-from model import GPTConfig  # noqa: E402
+from model import VARIANTS, GPTConfig  # noqa: E402
 from scripts import export_hf  # noqa: E402
 from test_eval import one_thread  # noqa: E402, F401 (test_eval's autouse fixture: one thread)
 from test_lm_eval import quiet  # noqa: E402
@@ -134,9 +134,12 @@ def test_the_folder_holds_config_weights_tokenizer_and_code(run, exported):
 
 
 # ----------------------------------------------------------------------------- the same function
-@pytest.mark.parametrize("variant, attention", [("FLT", "full"), ("LT", "gqa"), ("LT_i", "mla"), ("LT_ai", "window"),
-                                                ("FLT_res", "mla_gqa_window"), ("FLT", "gqa"), ("FLT", "mla"),
-                                                ("FLT", "window")])
+# every variant (model.VARIANTS), the attentions taken in turn; then FLT with each attention
+KINDS = ["gqa", "mla", "window", "mla_gqa_window", "full"]
+PAIRS = [(v, KINDS[i % len(KINDS)]) for i, v in enumerate(VARIANTS)]
+
+
+@pytest.mark.parametrize("variant, attention", PAIRS + [("FLT", a) for a in KINDS if ("FLT", a) not in PAIRS])
 def test_logits_equal_the_runs_for_every_variant_and_attention(run, variant, attention, tmp_path):
     """Every variant and every attention (MHA, GQA, MLA, sliding window), at K as saved (3) and K at call time."""
     meta = checkpoint.load_model(run, log=quiet)[1]
