@@ -48,9 +48,11 @@ def run_module(module, *argv):
 
 
 def pytest_configure(config):
-    # The ranks of torch.multiprocessing's start_method="forkserver" (in test_optim, test_checkpoint and
-    # test_eval) fork from one process that has imported their modules, not each a new interpreter
-    multiprocessing.set_forkserver_preload(["test_optim", "test_checkpoint", "test_eval"])
+    # The ranks of torch.multiprocessing's start_method="forkserver" (in test_optim, test_checkpoint, test_eval
+    # and test_collectives) fork from one process that has imported their modules, not each a new interpreter;
+    # and torch._dynamo, which a rank's first optimizer step would import (~2 s of CPU a rank)
+    multiprocessing.set_forkserver_preload(["test_optim", "test_checkpoint", "test_eval", "test_collectives",
+                                            "torch._dynamo"])
     # torch.compile's cache for this run's processes (xdist workers inherit the variable, and so do the
     # ranks they start), new each run: a compile test costs here what it costs a fresh CI machine.
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:

@@ -97,11 +97,17 @@ class Started:
 
     def __init__(self, argv, server, pid, out, err):
         self.argv, self.server, self.pid, self.out, self.err = argv, server, pid, out, err
+        self.done = None  # the server's reply once the script has exited
+
+    def poll(self):
+        """subprocess.Popen.poll: the exit status if the script has exited, else None."""
+        self.done = self.done or _reply(self.server, 0)
+        return self.done and self.done["code"]
 
     def wait(self, timeout=300):
         """subprocess.CompletedProcess once the script has exited (stdout and stderr as text); past
         timeout seconds it is killed and subprocess.TimeoutExpired raised."""
-        done = _reply(self.server, timeout)
+        done = self.done or _reply(self.server, timeout)
         if done is None:
             os.kill(self.pid, signal.SIGKILL)
             _reply(self.server, 60)

@@ -1,19 +1,23 @@
 """train.py on a cluster, on CPU: preemption (a signal on one rank of a 2-rank gloo job), --resume=auto,
-time-based checkpoints, two torchrun "nodes" sharing (or not) out_dir, and a changed world size."""
+time-based checkpoints, two torchrun "nodes" sharing (or not) out_dir, CORE during training on two nodes
+with their own data_dir, and a changed world size."""
 import os
+import pathlib
 import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import textwrap
 import time
+import zipfile
 
+import pytest
 import torch
 
+import forkserver
 from flt import checkpoint
 from flt import cluster
+from test_eval import make_bundle
 from test_train import ROOT, TINY, losses, runner, train
 
 
@@ -55,20 +59,21 @@ SLOW = textwrap.dedent("""
 
 
 def torchrun_cmd(script, nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+    """torchrun's argv after `python`, for forkserver.start: its agent is forked, its ranks are new interpreters."""
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
 
 
 def test_sigterm_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(tmp_path, data_dir):
     out, args = tmp_path / "run", ["--num_steps=30", "--total_batch_size=256", "--save_interval=100",
                                   "--sample_tokens=0", "--eval_interval=100"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PID_DIR=str(tmp_path))
-    p = subprocess.Popen(torchrun_cmd(runner(tmp_path, SLOW)) + TINY + [f"--out_dir={out}", f"--data_dir={data_dir}",
-                         *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = forkserver.start(torchrun_cmd(runner(tmp_path, SLOW)) + TINY + [f"--out_dir={out}", f"--data_dir={data_dir}",
+                         *args], ROOT, env)
     log = out / "log.jsonl"
     wait_for(lambda: log.exists() and sum("loss" in line for line in log.read_text().splitlines()) >= 3,
              what="three training steps")
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)  # rank 1 only; rank 0 never hears of it
-    stdout, stderr = p.communicate(timeout=120)
+    stderr = p.wait(timeout=120).stderr
     records = read_log(out)
     trained = [r["step"] for r in records if "loss" in r]
     last = records[-1]
@@ -145,27 +150,65 @@ def two_nodes(out_dirs, data_dir, *args, script="train.py", check=True):
     data_dir: both nodes', or a list of each node's own."""
     port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     data_dirs = data_dir if isinstance(data_dir, list) else [data_dir] * 2
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+    # the agents forked from processes that have imported torch (tests/forkserver.py), both running at once
+    procs = [forkserver.start(["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                                "--rdzv_id=two_nodes", script] + TINY + [f"--out_dir={out_dirs[node]}",
                               f"--data_dir={data_dirs[node]}", "--total_batch_size=256", "--sample_tokens=0", *args],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              ROOT, env)
              for node in (0, 1)]
-    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    results = [(done.returncode, done.stdout, done.stderr) for done in (p.wait(timeout=300) for p in procs)]
     if check:
         for code, stdout, stderr in results:
             assert code == 0, stderr[-3000:]
     return results
 
 
-def test_two_nodes_train_save_and_resume(tmp_path, data_dir):
-    out = tmp_path / "shared"
-    two_nodes([out, out], data_dir, "--num_steps=4", "--save_interval=2", "--resume=auto")
-    two_nodes([out, out], data_dir, "--num_steps=6", "--save_interval=2", "--resume=True")
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory, data_dir, http_server):
+    """One run on two nodes sharing out_dir, for the two tests below: 4 steps with a checkpoint every 2,
+    then continued to 6 (--resume=True); CORE every 2 steps, its eval bundle a zip on http_server. Each
+    node has its own data_dir, holding the corpus and its BPE (as a node's disk would after its first
+    run) but no bundle. (out_dir, the nodes' data_dirs, the bundle zipped, the server's requests)"""
+    tmp = tmp_path_factory.mktemp("two_nodes")
+    bundle = make_bundle(tmp / "zipped" / "eval_bundle")
+    archive = tmp / "eval_bundle.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for path in sorted(pathlib.Path(bundle).rglob("*")):
+            z.write(path, path.relative_to(tmp / "zipped"))
+    http_server.files, http_server.requests = {"/eval_bundle.zip": archive.read_bytes()}, []
+    http_server.mode, http_server.drops, http_server.delay = "ok", 0, 0.0
+    url = f"http://127.0.0.1:{http_server.server_address[1]}/eval_bundle.zip"
+    out, data_dirs = tmp / "shared", [str(tmp / f"node{n}_data") for n in (0, 1)]
+    for node_data in data_dirs:
+        shutil.copytree(data_dir, node_data, ignore=shutil.ignore_patterns("*.lock"))
+    script = runner(tmp, f"from flt import core; core.BUNDLE_URL = {url!r}")
+    args = ["--save_interval=2", "--core_interval=2", "--core_max_per_task=4"]
+    two_nodes([out, out], data_dirs, "--num_steps=4", "--resume=auto", *args, script=script)
+    two_nodes([out, out], data_dirs, "--num_steps=6", "--resume=True", *args, script=script)
+    return out, data_dirs, bundle, list(http_server.requests)
+
+
+def test_two_nodes_train_save_and_resume(two_node_run):
+    out = two_node_run[0]
     by_step, records = losses(out)
     assert sorted(by_step) == list(range(6))
     assert not [r for r in records if "saved_world_size" in r]  # 2 ranks saved it, 2 resumed it: nothing resharded
     assert checkpoint.load_newest(str(out), rank_files=True)[1]["world_size"] == 2
+
+
+def test_core_during_training_on_two_nodes_with_their_own_data_dirs(two_node_run):
+    # Each node fetches the eval bundle into its own data_dir (before, only rank 0 did, and the other
+    # node's rank found no bundle on its disk), once: the resumed run finds it there.
+    out, data_dirs, bundle, requests = two_node_run
+    assert [r["core"] for r in losses(out)[1] if "core" in r] != [] and len(requests) == 2
+    for node_data in data_dirs:  # each node's copy, whole
+        assert files(os.path.join(node_data, "eval_bundle")) == files(bundle)
+
+
+def files(root):
+    """{path relative to root: bytes} of every file below root."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in pathlib.Path(root).rglob("*") if p.is_file()}
 
 
 def test_out_dir_not_shared_by_the_nodes_is_an_error(tmp_path, data_dir):

@@ -55,7 +55,8 @@ def _worker(rank, world_size, init, out):
 
 
 def test_older_collectives_give_the_same_updates_on_two_ranks(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    # the ranks fork from one process that has imported this module (conftest.py: the forkserver's preload)
+    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for result in results:
         assert result["2.13"].keys() == result["older"].keys()

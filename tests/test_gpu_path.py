@@ -1,10 +1,9 @@
 """What would only break on a GPU, checked on CPU: norm's numerics in bf16, compiled training that
-stays compiled while train.py evaluates, the eval bundle on several nodes, the torch version."""
+stays compiled while train.py evaluates, the torch version (the eval bundle on several nodes:
+tests/test_cluster.py)."""
 import os
-import pathlib
 import re
 import textwrap
-import zipfile
 
 import pytest
 import torch
@@ -13,10 +12,9 @@ from torch._dynamo.backends.registry import lookup_backend
 
 from flt import runtime
 from model import norm
-from test_cluster import two_nodes
 from test_eval import make_bundle
 from test_model import make_model, random_tokens
-from test_train import losses, runner, train
+from test_train import runner, train
 
 
 # ----------------------------------------------------------------------------- norm in bf16
@@ -133,32 +131,6 @@ def test_every_training_block_call_runs_compiled_with_eager_evaluation_between(v
                     model.train()
             assert (counting.graphs, counting.runs) == (graphs, runs)
     torch._dynamo.reset()
-
-
-# ----------------------------------------------------------------------------- CORE on several nodes
-
-def test_core_during_training_on_two_nodes_with_their_own_data_dirs(tmp_path, http_server):
-    # Each node fetches the eval bundle into its own data_dir (before, only rank 0 did, and the other
-    # node's rank found no bundle on its disk); the out_dir is shared, as it must be.
-    bundle = make_bundle(tmp_path / "zipped" / "eval_bundle")
-    archive = tmp_path / "eval_bundle.zip"
-    with zipfile.ZipFile(archive, "w") as z:
-        for path in sorted(pathlib.Path(bundle).rglob("*")):
-            z.write(path, path.relative_to(tmp_path / "zipped"))
-    http_server.files, http_server.requests = {"/eval_bundle.zip": archive.read_bytes()}, []
-    http_server.mode, http_server.drops, http_server.delay = "ok", 0, 0.0
-    url = f"http://127.0.0.1:{http_server.server_address[1]}/eval_bundle.zip"
-    out, data_dirs = tmp_path / "shared", [str(tmp_path / f"node{n}_data") for n in (0, 1)]
-    two_nodes([out, out], data_dirs, "--num_steps=2", "--core_interval=2", "--core_max_per_task=4",
-              script=runner(tmp_path, f"from flt import core; core.BUNDLE_URL = {url!r}"))
-    assert [r["core"] for r in losses(out)[1] if "core" in r] != [] and len(http_server.requests) == 2
-    for data_dir in data_dirs:  # each node's copy, whole
-        assert files(os.path.join(data_dir, "eval_bundle")) == files(bundle)
-
-
-def files(root):
-    """{path relative to root: bytes} of every file below root."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in pathlib.Path(root).rglob("*") if p.is_file()}
 
 
 # ----------------------------------------------------------------------------- the torch version

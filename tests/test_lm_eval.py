@@ -15,8 +15,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -30,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from conftest import run_module  # noqa: E402
 from flt import checkpoint  # noqa: E402
 import eval as evaluation  # noqa: E402
 from scripts import lm_eval_flt  # noqa: E402
@@ -231,18 +230,24 @@ def test_harness_runs_the_offline_tasks_at_each_K(redrawn, monkeypatch):
     assert perplexity[1] != pytest.approx(perplexity[4])  # the columns are the budgets
 
 
-def test_command_prints_one_table_and_writes_one_json(run, tmp_path):
+def test_command_prints_one_table_and_writes_one_json(run, tmp_path, monkeypatch):
     out = tmp_path / "results.json"
     args = ["--run", run, "--tasks", "flt_mc,flt_gen,flt_ppl", "--loops", "3,1", "--batch_size", "4", "--device", "cpu",
             "--include_path", TASKS, "--limit", "4", "--gen_kwargs", "max_gen_toks=2", "--output_path", str(out)]
-    p = python("-m", "scripts.lm_eval_flt", *args)
-    assert p.returncode == 0, p.stdout + p.stderr
+    # the command's task manager, as it asks for it, without the index of the harness's own thousands of
+    # tasks (none of them is named here; indexing them is most of the command's time on 3 small tasks)
+    asked = []
+    monkeypatch.setattr("lm_eval.tasks.TaskManager", lambda **kwargs: asked.append(kwargs) or TaskManager(
+        **kwargs, include_defaults=False))
+    status, stdout, stderr = run_module("scripts.lm_eval_flt", *args)  # `python -m scripts.lm_eval_flt`, in this process
+    assert status == 0, stdout + stderr
+    assert asked == [{"include_path": TASKS}]
     record = json.loads(out.read_text())
     assert list(record["results"]) == ["1", "3"] and record["checkpoint"].endswith("step_000004")
     # K=3 ran first and scored both budgets; the run at K=1 found every sequence scored
-    assert re.search(r"K=3: scoring \d+ sequences at every K in \[1, 3\], in forwards at K=3", p.stdout)
-    assert "K=1: scoring" not in p.stdout and "every one scored by an earlier pass" in p.stdout
-    table = p.stdout[p.stdout.index("| task | metric | K=1 | K=3 |"):].splitlines()
+    assert re.search(r"K=3: scoring \d+ sequences at every K in \[1, 3\], in forwards at K=3", stdout)
+    assert "K=1: scoring" not in stdout and "every one scored by an earlier pass" in stdout
+    table = stdout[stdout.index("| task | metric | K=1 | K=3 |"):].splitlines()
     assert table[-1] == f"written to {out}" and table[1] == "| --- | --- | --- | --- |"
     rows = [line.strip("| ").split(" | ") for line in table[2:-1]]
     metrics = {"flt_mc": ("acc", "acc_norm"), "flt_gen": ("exact_match",),
@@ -326,7 +331,7 @@ def test_bad_model_arguments_are_named(run):
         lm._scored([(list(range(50)), 40)])
 
 
-def test_the_default_code_path_never_imports_lm_eval():
+def test_the_default_code_path_never_imports_lm_eval(tmp_path):
     """lm-eval is optional: no module but lm_eval_flt imports it (or lm_eval_flt) at module level."""
     for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "[fs]*", "*.py")):
         if os.path.basename(path) == "lm_eval_flt.py":
@@ -336,7 +341,9 @@ def test_the_default_code_path_never_imports_lm_eval():
         names += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
         names += [a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names]
         assert not [n for n in names if n.split(".")[0] in ("lm_eval", "lm_eval_flt")], path
-    p = subprocess.run([sys.executable, "-c", "import sys, eval, data, model; from flt import checkpoint; print(sorted("
-                        "m for m in sys.modules if m.split('.')[0] in ('lm_eval', 'datasets')))"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # a process of its own (forked from one that has imported train.py's and eval.py's modules, and no more)
+    script = tmp_path / "imports.py"
+    script.write_text("import sys, eval, data, model\nfrom flt import checkpoint\n"
+                      "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lm_eval', 'datasets')))\n")
+    p = python(str(script))
     assert p.stdout.strip() == "[]", p.stdout + p.stderr

@@ -5,12 +5,11 @@ second Ctrl-C quits at once, leaving no half-written checkpoint), on one process
 """
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+import forkserver
 from configurator import configure
 from flt import checkpoint, cluster
 from test_cluster import read_log, torchrun_cmd, wait_for
@@ -78,18 +77,18 @@ def ctrl_c(tmp_path, data_dir, patch, nproc=1):
     gives it to the program it runs, once it has logged three steps: (exit status, stderr, out)."""
     out, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     script = runner(tmp_path, patch)
-    cmd = torchrun_cmd(script, nproc) if nproc > 1 else [sys.executable, script]
+    # `python script` or torchrun's agent, forked from a process that has imported torch (tests/forkserver.py)
+    cmd = torchrun_cmd(script, nproc) if nproc > 1 else [script]
     args = [f"--out_dir={out}", f"--data_dir={data_dir}", f"--total_batch_size={128 * nproc}", *ARGS]
-    p = subprocess.Popen(cmd + TINY + args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = forkserver.start(cmd + TINY + args, ROOT, env)
     log = out / "log.jsonl"
     # three steps logged, or the run ended already (its output then says why)
     wait_for(lambda: p.poll() is not None or log.exists() and sum(
         '"loss"' in line for line in log.read_text().splitlines()) >= 3, what="three training steps")
-    assert p.poll() is None, p.communicate()
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=120)
-    return p.returncode, stderr, out
+    assert p.poll() is None, p.wait()
+    os.kill(p.pid, signal.SIGINT)
+    done = p.wait(timeout=120)
+    return done.returncode, done.stderr, out
 
 
 def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, data_dir):

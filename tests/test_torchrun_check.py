@@ -9,16 +9,30 @@ import os
 import subprocess
 import sys
 
+import forkserver
+from conftest import run_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_the_headline_commands_cpu_mode_resumes_evaluates_and_shards_exactly(tmp_path, data_dir):
+def forked(cmd, cwd, stdout, stderr):
+    """subprocess.run as torchrun_check calls it (`python ...`, its output and errors into one open
+    file), the process forked from one that has imported torch (tests/forkserver.py): torchrun's agent
+    and eval.py; the ranks torchrun starts are new interpreters, as torchrun starts them."""
+    assert cmd[0] == sys.executable and stderr == subprocess.STDOUT, (cmd, stderr)
+    done = forkserver.run(cmd[1:], cwd, dict(os.environ, OMP_NUM_THREADS="1"), stderr_to_stdout=True)
+    stdout.write(done.stdout)
+    return done
+
+
+def test_the_headline_commands_cpu_mode_resumes_evaluates_and_shards_exactly(tmp_path, data_dir, monkeypatch):
     out = tmp_path / "check"
-    p = subprocess.run([sys.executable, "-m", "scripts.torchrun_check", "--tiny", "--device=cpu",
-                        "--steps=2", f"--data_dir={data_dir}", f"--out_dir={out}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    # `python -m scripts.torchrun_check ...`, run in this process; its steps' processes forked
+    monkeypatch.setattr(subprocess, "run", forked)
+    status, stdout, stderr = run_module("scripts.torchrun_check", "--tiny", "--device=cpu", "--steps=2",
+                                        f"--data_dir={data_dir}", f"--out_dir={out}")
+    monkeypatch.undo()
+    assert status == 0, stdout[-2000:] + stderr[-2000:]
     result = json.loads((out / "torchrun_check.json").read_text())
     assert result["meta"]["tiny"] and result["train"]["exit"] == 0
     # two optimizer steps, a checkpoint after the first: the resumed run repeats step 1
@@ -33,4 +47,4 @@ def test_the_headline_commands_cpu_mode_resumes_evaluates_and_shards_exactly(tmp
         # one step: a reduce-scatter and an all-gather for each AdamW parameter (2) and Muon block
         # (one layer: 4 attention matrices in 2 blocks of 2 ranks, MLP's two shapes 1 each)
         assert path["max_abs_param_diff"] == 0 and path["collectives"] == 2 * (2 + 4), path
-    assert f"written to {out / 'torchrun_check.json'}" in p.stdout
+    assert f"written to {out / 'torchrun_check.json'}" in stdout
