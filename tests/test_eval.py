@@ -1289,16 +1289,23 @@ def test_default_settings_score_the_authors_eval_sh_tokens(tmp_path, monkeypatch
 
 
 def slow_forwards(monkeypatch, seconds, log=None):
-    """GPT.loop_states made slow, and (log) recording each forward in the output."""
-    from model import GPT
-    loop_states = GPT.loop_states
+    """Both loops made slow, GPT.loop_states and decoding's (cached_loops: sampling, the exit rule),
+    and (log) each forward recorded in the output."""
+    import model
+    from flt import decoding
 
-    def slowed(self, *args, **kwargs):
-        if log is not None:
-            print(log, flush=True)
-        time.sleep(seconds)
-        return loop_states(self, *args, **kwargs)
-    monkeypatch.setattr(GPT, "loop_states", slowed)
+    def slowed(run):
+        def slow(*args, **kwargs):
+            if log is not None:
+                print(log, flush=True)
+            time.sleep(seconds)
+            return run(*args, **kwargs)
+        return slow
+    monkeypatch.setattr(model.GPT, "loop_states", slowed(model.GPT.loop_states))
+    # each name that calls decoding's loop: model.py's forward, the decode step, eval.py's sweep
+    cached_loops = slowed(decoding.cached_loops)
+    for module in (model, decoding, ev):
+        monkeypatch.setattr(module, "cached_loops", cached_loops)
 
 
 def test_the_plan_comes_before_any_forward(tmp_path, monkeypatch, capsys):
