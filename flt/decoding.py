@@ -145,8 +145,9 @@ def left_padding(attention_mask):
 class KVCache:
     """Keys and values per (loop slot, layer), each loop's from its own stream. K slots (K*L
     entries): exact, the default. cache_slots=m < K keeps m*L (Huginn's): loop t (1..K) uses slot
-    (t - 1) mod m, so earlier forwards' tokens are seen as the slot's last loop left them. A forward's tokens go
-    at `pos` (of `capacity`); attention_mask (B, T) of the first forward: 0 = left padding, unseen.
+    (t - 1) mod m, so earlier forwards' tokens are seen as the slot's last loop left them. A
+    forward's tokens go at `pos` (of `capacity`); attention_mask (B, T) of the first forward: 0 =
+    left padding, unseen.
     """
     # its position is a Python int, and a step attends to the keys written so far (StaticCache: not)
     static = False
