@@ -308,7 +308,7 @@ while True:
     train_loss = torch.zeros((), device=device)  # summed on the device: no sync per micro-batch
     K = sample_loops(loops_sampler, step, seed, loops, loops_min, loops_max)
     for micro in range(grad_accum):
-        x, y = next(loader)  # y labels x's own positions: next tokens, or tasks' answers (GPT.loss)
+        x, y = next(loader)
         with autocast:
             loss, looped = model(x, y, loops=K, bptt_loops=truncated_bptt, return_loops=True)
             loss = loss / grad_accum
