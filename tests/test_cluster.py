@@ -59,7 +59,7 @@ SLOW = textwrap.dedent("""
 
 
 def torchrun_cmd(script, nproc=2):
-    """torchrun's argv after `python`, for forkserver.start: its agent is forked, its ranks are new interpreters."""
+    """torchrun's argv after `python`, for forkserver.start (with fork_ranks: its ranks are forked too)."""
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
 
 
@@ -68,7 +68,7 @@ def test_sigterm_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(tmp_
                                   "--sample_tokens=0", "--eval_interval=100"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PID_DIR=str(tmp_path))
     p = forkserver.start(torchrun_cmd(runner(tmp_path, SLOW)) + TINY + [f"--out_dir={out}", f"--data_dir={data_dir}",
-                         *args], ROOT, env)
+                         *args], ROOT, env, fork_ranks=True)
     log = out / "log.jsonl"
     wait_for(lambda: log.exists() and sum("loss" in line for line in log.read_text().splitlines()) >= 3,
              what="three training steps")
@@ -150,12 +150,12 @@ def two_nodes(out_dirs, data_dir, *args, script="train.py", check=True):
     data_dir: both nodes', or a list of each node's own."""
     port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     data_dirs = data_dir if isinstance(data_dir, list) else [data_dir] * 2
-    # the agents forked from processes that have imported torch (tests/forkserver.py), both running at once
+    # the agents and their ranks forked from processes that have imported torch (tests/forkserver.py)
     procs = [forkserver.start(["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                                "--rdzv_id=two_nodes", script] + TINY + [f"--out_dir={out_dirs[node]}",
                               f"--data_dir={data_dirs[node]}", "--total_batch_size=256", "--sample_tokens=0", *args],
-                              ROOT, env)
+                              ROOT, env, fork_ranks=True)
              for node in (0, 1)]
     results = [(done.returncode, done.stdout, done.stderr) for done in (p.wait(timeout=300) for p in procs)]
     if check:

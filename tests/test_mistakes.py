@@ -77,10 +77,11 @@ def ctrl_c(tmp_path, data_dir, patch, nproc=1):
     gives it to the program it runs, once it has logged three steps: (exit status, stderr, out)."""
     out, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     script = runner(tmp_path, patch)
-    # `python script` or torchrun's agent, forked from a process that has imported torch (tests/forkserver.py)
+    # `python script`, or torchrun and its ranks, forked from processes that have imported torch
+    # (tests/forkserver.py)
     cmd = torchrun_cmd(script, nproc) if nproc > 1 else [script]
     args = [f"--out_dir={out}", f"--data_dir={data_dir}", f"--total_batch_size={128 * nproc}", *ARGS]
-    p = forkserver.start(cmd + TINY + args, ROOT, env)
+    p = forkserver.start(cmd + TINY + args, ROOT, env, fork_ranks=nproc > 1)
     log = out / "log.jsonl"
     # three steps logged, or the run ended already (its output then says why)
     wait_for(lambda: p.poll() is not None or log.exists() and sum(

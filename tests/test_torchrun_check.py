@@ -17,10 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def forked(cmd, cwd, stdout, stderr):
     """subprocess.run as torchrun_check calls it (`python ...`, its output and errors into one open
-    file), the process forked from one that has imported torch (tests/forkserver.py): torchrun's agent
-    and eval.py; the ranks torchrun starts are new interpreters, as torchrun starts them."""
+    file), the process forked from one that has imported torch (tests/forkserver.py): eval.py, and
+    torchrun with the ranks it starts."""
     assert cmd[0] == sys.executable and stderr == subprocess.STDOUT, (cmd, stderr)
-    done = forkserver.run(cmd[1:], cwd, dict(os.environ, OMP_NUM_THREADS="1"), stderr_to_stdout=True)
+    done = forkserver.run(cmd[1:], cwd, dict(os.environ, OMP_NUM_THREADS="1"), stderr_to_stdout=True,
+                          fork_ranks=cmd[1:3] == ["-m", "torch.distributed.run"])
     stdout.write(done.stdout)
     return done
 

@@ -1,7 +1,7 @@
 """train.py end to end on CPU, tiny shapes: the wiring of its settings checks, learning, exact
 resume, 2-process torchrun (gloo), and the NaN guard. Each run is a process of its own, forked from
-one that has imported torch (tests/forkserver.py); torchrun's ranks are new interpreters, as torchrun
-starts them (the settings checks themselves: tests/test_planning.py)."""
+one that has imported torch (tests/forkserver.py), and so is each rank torchrun starts (the settings
+checks themselves: tests/test_planning.py)."""
 import json
 import math
 import os
@@ -24,21 +24,24 @@ TINY = ["--device=cpu", "--depth=1", "--sequence_len=32", "--device_batch_size=4
         "--final_eval_tokens=256", "--sample_tokens=8", "--momentum_warmup_steps=5"]
 
 
-def python(*argv, timeout=300):
+def python(*argv, timeout=300, fork_ranks=False):
     """`python argv...` in ROOT with one torch thread, as a process forked from one that has already
-    imported torch (tests/forkserver.py): the same process boundary, seconds sooner."""
-    return forkserver.run(argv, ROOT, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout)
+    imported torch (tests/forkserver.py): the same process boundary, seconds sooner. fork_ranks: argv
+    is torchrun's, and its ranks are forked as well."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return forkserver.run(argv, ROOT, env, timeout, fork_ranks=fork_ranks)
 
 
 def train(out_dir, data_dir, *args, script="train.py", nproc=1, check=True, torchrun=("-m", "torch.distributed.run")):
     """train.py (or a runner script) with TINY + args; out_dir None: train.py derives it (out_root).
     nproc > 1: `python -m torch.distributed.run --standalone` (or the torchrun program given), its agent
-    forked as well; the ranks it starts are new interpreters, `python script`, as torchrun starts them."""
+    forked as well, and the ranks it starts, `python -u script`, each in a session of its own as torchrun
+    starts them (tests/forkserver.py: fork_ranks)."""
     args = TINY + ([f"--out_dir={out_dir}"] if out_dir is not None else []) + [f"--data_dir={data_dir}", *args]
     if nproc == 1:
         p = python(script, *args)
     else:
-        p = python(*torchrun, "--standalone", f"--nproc_per_node={nproc}", script, *args)
+        p = python(*torchrun, "--standalone", f"--nproc_per_node={nproc}", script, *args, fork_ranks=True)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
