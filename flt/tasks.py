@@ -5,8 +5,9 @@ Two families, each with a difficulty knob, task_difficulty (D):
 - s3, s5: state tracking. An item is [bos] g_1 ... g_D, elements of the permutation group S3 (6)
   or S5 (120); the target at g_i is the running product g_1 g_2 ... g_i. Difficulty: the prefix
   length i. S3 is a solvable group, so a fixed-depth network may find a shortcut for it; S5 is
-  not, and likely has none (Merrill et al.): its depth must grow with i. A loop can carry it: each loop, every position
-  composes its left neighbour's estimate with its own element, which settles one more position.
+  not, and likely has none (Merrill et al.): its depth must grow with i. A loop can carry it:
+  each loop, every position composes its left neighbour's estimate with its own element, which
+  settles one more position.
 - chains: multi-hop look-up (Depo-like, Physics of LMs 4.1). An item is [bos] and c chains of D+1
   assignments "x y" (x takes y's value), interleaved at random, each variable assigned once and
   before it is used; a chain's first assignment is a digit. The target at each right-hand side is
@@ -19,11 +20,19 @@ to its position, so the supervision is dense and nothing is predicted from the f
 
 Items are generated from a seed: item i of a run is the first draw of rng([seed, i, attempt]),
 attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run see the same stream
-(the loader's state is the next item's index). The held-out test set is fixed by the task alone, and disjoint from training by construction: an item whose hash falls in
-the test bucket (one in TEST_BUCKET) is never a training item, and only such items are test items.
+(the loader's state is the next item's index). The held-out test set is fixed by the task alone, and
+disjoint from training by construction: an item whose hash falls in the test bucket (one in
+TEST_BUCKET) is never a training item, and only such items are test items.
 Each symbol is one character of a byte-level alphabet, and the vocabulary is a tokenizers
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
+
+A task run, end to end: train.py takes its batches from `Task.loader` (rows of `Task.rows`: y[i]
+is the answer at x[i] itself, not the next token) into the text's `model(x, y)`, whose
+cross-entropy compares the logits at position i with y[i], skipping -1; its validation bpb is
+that of the answers of `Task.batches` (per UTF-8 byte of their symbols). eval.py's tasks mode
+scores `Task.batches(..., difficulty=True)` with `evaluate_tasks`: the argmax at position i
+against y[i], by difficulty.
 """
 import hashlib
 import itertools
