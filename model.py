@@ -1,5 +1,5 @@
 """
-The Fully Looped Transformer (Fu et al., 2026) and its four looped ancestors, in one file.
+The Fully Looped Transformer (Fu et al., 2026) and the other four variants of Table 1, in one file.
 
 A looped transformer runs the same L blocks K times ("loops"): depth without new parameters.
 Plain looping (LT) is unstable: the residual stream grows with every loop and training collapses
@@ -31,12 +31,12 @@ from torch.utils.checkpoint import checkpoint
 
 try:
     from flt.decoding import (Decoder, KVCache, LoopSpan, attention_mask, cached_loops,
-                              check_inputs)
+                              check_inputs, check_prompt)
     from flt.drafting import check_draft, choose, draft_and_verify
 except ImportError:
     # a Hugging Face export (scripts/export_hf.py) has decoding.py and drafting.py beside model.py
     from .decoding import (Decoder, KVCache, LoopSpan, attention_mask, cached_loops,
-                           check_inputs)
+                           check_inputs, check_prompt)
     from .drafting import check_draft, choose, draft_and_verify
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
@@ -128,9 +128,9 @@ def rotary_tables(config):
 
 class CausalSelfAttention(nn.Module):
     """Attention whose queries and keys/values may come from different streams. Self-attention:
-    attn(norm(x), norm(x)). Attention injection (FLT, Sec. 4.2): attn(norm(h_prev), norm(x))
-    with the same W_Q, W_K, W_V, W_O: the previous loop chooses *what to read*, the current
-    stream supplies it."""
+    attn(norm(x), norm(x)). Attention injection (FLT, Sec. 4.2): attn(h_prev, norm(x)) (h_prev
+    is a norm already) with the same W_Q, W_K, W_V, W_O: the previous loop chooses *what to
+    read*, the current stream supplies it."""
 
     def __init__(self, config, window):
         super().__init__()
@@ -203,7 +203,8 @@ class Block(nn.Module):
 
     def forward(self, x, rope, h_prev=None, inject=None, kv_update=None):
         """One layer; inject, one of INJECTIONS, is how it sees h_prev = h(t-1). These branches
-        are the only reading of those names. kv_update: decoding's (CausalSelfAttention)."""
+        are the model's only reading of those names (the float64 references in tests/ have their
+        own). kv_update: decoding's (CausalSelfAttention)."""
         # "res" (FLT_res): add the previous loop's output to the stream, renormalise
         if inject == "res":
             x = norm(x + h_prev)
@@ -221,7 +222,7 @@ class Block(nn.Module):
 
 # How a layer may see h(t-1), the names injection returns and Block.forward interprets: None
 # (plain), "attn" (Attention Injection, Sec. 4.2: its queries from h(t-1)), "res" (FLT_res:
-# the stream becomes norm(x + h(t-1)) before the layer). A new kind is a new branch there.
+# norm(x + h(t-1)) before the layer). A new kind: a branch there and in the tests' references.
 INJECTIONS = (None, "attn", "res")
 
 
@@ -359,12 +360,13 @@ class GPT(nn.Module):
         return F.cross_entropy(logits, targets.flatten(), ignore_index=-1)
 
     def forward(self, idx, targets=None, loops=None, all_loops=False, kv_cache=None,
-                bptt_loops=None, exit_threshold=None, return_loops=False):
+                bptt_loops=None, exit_threshold=None, return_loops=False, exit_rule="kl"):
         """Logits (B, T, V) of the last loop, or the loss if targets are given. all_loops=True:
         a list of K logits, or a (K,) tensor of per-loop losses, from one pass.
         return_loops=True: (that output, the pass's Loops), e.g.
         `loss, looped = model(x, y, return_loops=True)` for looped.resid_norms. kv_cache or
-        exit_threshold: decoding's loop (flt/decoding.py: cached_loops), which does not train."""
+        exit_threshold (of exit_rule, EXIT_RULES): decoding's loop (flt/decoding.py:
+        cached_loops), which does not train."""
         K = self.loop_count(loops)
         if kv_cache is None and exit_threshold is None:
             looped = self.loop_states(idx, K, bptt_loops)
@@ -372,7 +374,8 @@ class GPT(nn.Module):
             raise ValueError(f"bptt_loops={bptt_loops} with kv_cache or exit_threshold: "
                              "decoding's loop does not train")
         else:
-            hs, exit_loops = cached_loops(self, idx, LoopSpan(K), kv_cache, exit_threshold)
+            hs, exit_loops = cached_loops(self, idx, LoopSpan(K), kv_cache, exit_threshold,
+                                          exit_rule)
             looped = Loops(hs, None, exit_loops)
         every = all_loops or (targets is not None and self.config.loss_all_loops)
         # the other loops cost no head FLOPs unless asked for
@@ -388,20 +391,15 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None, loops=None,
                  exit_threshold=None, attention_mask=None, cache_slots=None, draft_loops=None,
-                 draft_len=4, decode=None):
+                 draft_len=4, decode=None, exit_rule="kl"):
         """Stream (B, 1) tokens with a KV cache: a prefill, then one token a step. cache_slots:
-        its m (KVCache; None = K, exact). exit_threshold: depth per token (loop_states).
+        its m (KVCache; None = K, exact). exit_threshold: depth per token under exit_rule.
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
         loops K_d+1..K (flt/drafting.py): the same tokens, or sampling the same distribution.
         decode: the steps' path (flt/decoding.py: Decoder), "eager", "static" (one shape a step)
         or "compiled" (on CUDA captured as CUDA graphs); None: compiled on CUDA, else eager."""
-        if idx.size(1) + max_new_tokens > self.config.sequence_len:
-            raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds sequence_len={self.config.sequence_len}")
-        if attention_mask is not None and attention_mask.shape != idx.shape:
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)}: "
-                             f"expected the prompt's {tuple(idx.shape)}")
+        check_prompt(idx, max_new_tokens, attention_mask, self.config.sequence_len)
         rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
         K = self.loop_count(loops)
         if draft_loops is not None:
@@ -410,9 +408,10 @@ class GPT(nn.Module):
                                            temperature, top_k, rng, attention_mask, decode=decode):
                 yield from tokens.split(1, dim=1)
             return
-        step = Decoder(self, idx, K, decode, attention_mask, cache_slots, exit_threshold)
+        step = Decoder(self, idx, K, decode, attention_mask, cache_slots, exit_threshold,
+                       exit_rule)
         # the prefill: the prompt in one forward (eager: its length varies)
-        logits = self(idx, loops=K, kv_cache=step.cache, exit_threshold=exit_threshold)[:, -1]
+        logits = step(idx, eager=True).logits[:, -1]
         for i in range(max_new_tokens):
             # chosen on the device: no host read
             token = choose(logits, temperature, top_k, rng)
@@ -440,15 +439,16 @@ class GPT(nn.Module):
         run K times; the LM head once per supervised loop; attention scores cost
         12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
         backpropagation the loops before the last bptt_loops run forward only, 2 FLOPs per weight
-        (and a third of the attention cost)."""
+        (and a third of the attention cost); the head on such a loop takes 4 (forward, and its
+        weight's gradient: no gradient flows into that h)."""
         c, K = self.config, self.loop_count(loops)
         G = K if bptt_loops is None else min(K, bptt_loops)
         block = sum(p.numel() for p in self.transformer.h.parameters())
-        head = self.lm_head.weight.numel() * (K if c.loss_all_loops else 1)
+        heads = (6 * G + 4 * (K - G)) if c.loss_all_loops else 6
         # attention scores, forward and backward (nanochat's 12 d T); a third for forward only
         attn = sum(12 * c.n_embd * (w or c.sequence_len) for w in c.windows())
         # in forward passes: G loops forward and backward, K - G forward only
-        return 6 * head + (2 * block + attn // 3) * (3 * G + (K - G))
+        return heads * self.lm_head.weight.numel() + (2 * block + attn // 3) * (3 * G + (K - G))
 
     def compile_regions(self, **kwargs):
         """Regional compilation: torch.compile(**kwargs) each block and the loss, not the whole

@@ -104,7 +104,7 @@ class _Sharded(torch.optim.Optimizer):
     # The collectives move equal flat pieces of `size` elements, one per rank, so both
     # zero-pad. Flat, because gloo takes only the concatenated form (NCCL also stacks).
     def _reduce_scatter(self, tensors, size):
-        """The tensors run together in world_size pieces: piece `rank`, flat, averaged later."""
+        """Piece `rank`, flat, of the tensors run together: averaged by the collective (AVG)."""
         if not self.distributed:
             return tensors[0].view(-1)  # the whole gradient, no copy
         padding = tensors[0].new_zeros(self.world_size * size - sum(t.numel() for t in tensors))

@@ -9,9 +9,9 @@ loops, built on LoopSpan and the decode step, is flt/drafting.py.
     mask = attention_mask(n_q, n_k, pos, window, device)  # True = visible (causal, window, padding)
     cache = KVCache(B, K, config)                         # keys/values per (loop slot, layer)
     k, v, mask = cache.update(t, layer, k, v, window)     # what a layer attends to while decoding
-    hs, exit_loops = cached_loops(model, idx, span, cache, threshold)  # the loop, cached
+    hs, exit_loops = cached_loops(model, idx, span, cache, threshold, rule)  # the loop, cached
     step = Decoder(model, idx, K, decode)                 # generate's cache and step (Step = h, logits)
-    exits = ExitRule(threshold, idx, head, cache)         # Huginn's KL exit, per position
+    exits = ExitRule(threshold, idx, model, cache, rule)  # depth per token (EXIT_RULES)
     stop = exits.update(t, hs)                            # after loop t: True once all exited
     span = LoopSpan(K, start=K_d, h_start=h)              # loops K_d+1..K, from h(K_d)
 
@@ -54,20 +54,20 @@ class LoopSpan(NamedTuple):
         return range(self.start + 1, (self.K if self.stop is None else self.stop) + 1)
 
 
-def cached_loops(model, idx, span, kv_cache=None, exit_threshold=None):
+def cached_loops(model, idx, span, kv_cache=None, exit_threshold=None, exit_rule="kl"):
     """model.py's loop (GPT.loop_states) as decoding runs it: the same loop_start and blocks,
     each layer writing its keys/values at (loop t, layer) into the KV cache at its position and
     attending over every token so far. span (LoopSpan): which loops run (the draft's). The exit
-    rule stops positions early. Without a cache, the call gets one of its own, so the exit rule
-    computes what cached decoding computes. Returns (states, exit_loops), as GPT's Loops; the
-    cache moves past idx's T tokens."""
+    rule (exit_rule of EXIT_RULES, at exit_threshold) stops positions early. Without a cache,
+    the call gets one of its own, so the exit rule computes what cached decoding computes.
+    Returns (states, exit_loops), as GPT's Loops; the cache moves past idx's T tokens."""
     T = idx.size(1)
     check_inputs(T, span.K, kv_cache, None, model.cos.size(0), model.config.sequence_len)
     cache = kv_cache
     if cache is None:
         cache = KVCache(idx.size(0), span.K, model.config, capacity=T)
-    # Huginn's KL exit; it does nothing without a threshold
-    exits = ExitRule(exit_threshold, idx, model.head, cache)
+    # depth per token; it does nothing without a threshold
+    exits = ExitRule(exit_threshold, idx, model, cache, exit_rule)
     # RoPE positions of this call's tokens: from the cache's position (per row with left padding)
     at = cache.positions(T)
     rope = (model.cos[at], model.sin[at])
@@ -110,6 +110,17 @@ def check_inputs(T, K, kv_cache, bptt_loops, rope_positions, sequence_len):
         raise ValueError(f"loops={K} differs from the KV cache's loops={kv_cache.loops}")
     if bptt_loops is not None and (not isinstance(bptt_loops, int) or bptt_loops < 1):
         raise ValueError(f"bptt_loops={bptt_loops!r} is invalid: expected an integer >= 1 or None")
+
+
+def check_prompt(idx, max_new_tokens, attention_mask, sequence_len):
+    """generate's ValueError naming the value if the prompt idx (B, T) and its new tokens pass
+    sequence_len, or attention_mask is not the prompt's shape."""
+    if idx.size(1) + max_new_tokens > sequence_len:
+        raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds sequence_len={sequence_len}")
+    if attention_mask is not None and attention_mask.shape != idx.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)}: "
+                         f"expected the prompt's {tuple(idx.shape)}")
 
 
 def check_cache_slots(cache_slots, loops, prefix=""):
@@ -303,44 +314,122 @@ def static_cache(model, B, K, device, attention_mask, cache_slots, owner):
     return cache.reset(attention_mask)
 
 
-class ExitRule:
-    """Depth per token (Huginn's KL exit) in one forward over idx (B, T): from loop 2 on, a
-    position stops looping once KL(p(t-1) || p(t)) of its LM-head distributions is below
-    `threshold` (nats). Its h(t) then stays h(exit loop), and its keys/values at later loops are
-    its exit loop's (`done`, for KVCache.update), so later tokens attend to the last state it
-    reached. exit_loops (B, T): the loops each position ran; threshold None: no rule."""
+# The exit rules (depth per token): each gives a position's score after loop t, and the position
+# exits once it is below the threshold (argmax: once its count reaches it). Huginn's rules
+# (seal-rg/recurrent-pretraining) and Ouro's learned gate (arXiv 2510.25741), side by side.
+EXIT_RULES = {
+    "kl": "KL(p(t-1) || p(t)) of the LM head's distributions, in nats (Huginn's)",
+    "entropy": "the entropy of p(t), in nats",
+    "latent": "|h(t) - h(t-1)| / |h(t)|, the relative change of the state",
+    "argmax": "the loops p's top-1 token has stayed the same; exits once it reaches the threshold",
+    "gate": "the learned exit gate's probability that later loops still help (flt/exit_gate.py)",
+}
 
-    def __init__(self, threshold, idx, head, kv_cache):
+
+def check_exit(rule, threshold, gate=None, prefix=""):
+    """A ValueError naming {prefix}exit_rule or {prefix}exit_threshold unless the rule can run:
+    a rule of EXIT_RULES, a threshold >= 0 (argmax: an integer >= 1), and for "gate" a model
+    that carries one. prefix: "" for keyword arguments, "--" for command-line settings."""
+    if rule not in EXIT_RULES:
+        raise ValueError(f"{prefix}exit_rule={rule!r}: expected one of {', '.join(EXIT_RULES)}")
+    if rule == "argmax" and not (isinstance(threshold, int) and threshold >= 1):
+        raise ValueError(f"{prefix}exit_threshold={threshold!r} with exit_rule='argmax': expected "
+                         "an integer >= 1, the loops the top-1 token must stay the same")
+    if not isinstance(threshold, (int, float)) or not threshold >= 0:
+        raise ValueError(f"{prefix}exit_threshold={threshold!r}: expected a number >= 0")
+    if rule == "gate" and gate is None:
+        raise ValueError(f"{prefix}exit_rule='gate': this model has no exit gate; train one "
+                         "with `python -m flt.exit_gate RUN`")
+
+
+class ExitGate(torch.nn.Module):
+    """Ouro's learned exit gate (its second stage), trained after the fact on a frozen model
+    (flt/exit_gate.py): from h(t) and its change since h(t-1) (h(0) = 0), the probability (B, T)
+    that later loops still lower the position's loss by more than `margin` nats. A small MLP;
+    the exit rule "gate" stops a position once it is below the threshold."""
+
+    def __init__(self, n_embd, hidden=64, margin=0.01):
+        super().__init__()
+        self.fc = torch.nn.Linear(2 * n_embd, hidden)
+        self.out = torch.nn.Linear(hidden, 1)
+        # the margin it was trained with, saved with its weights
+        self.register_buffer("margin", torch.tensor(float(margin)), persistent=True)
+
+    def logits(self, h, h_prev=None):
+        delta = h if h_prev is None else h - h_prev
+        x = torch.cat([h, delta], dim=-1).to(self.fc.weight.dtype)
+        return self.out(F.gelu(self.fc(x)))[..., 0]
+
+    def forward(self, h, h_prev=None):
+        return torch.sigmoid(self.logits(h, h_prev))
+
+
+class ExitRule:
+    """Depth per token in one forward over idx (B, T): after loop t a position stops looping once
+    its rule's score (EXIT_RULES) passes `threshold`. Its h(t) then stays h(exit loop), and its
+    keys/values at later loops are its exit loop's (`done`, for KVCache.update), so later tokens
+    attend to the last state it reached. The rules that compare two loops (kl, latent, argmax)
+    exit from loop 2 on, entropy and gate from loop 1. exit_loops (B, T): the loops each position
+    ran; threshold None: no rule."""
+
+    def __init__(self, threshold, idx, model, kv_cache, rule="kl"):
         self.threshold = threshold
-        self.head = head
+        self.rule = rule
+        self.model = model
         self.kv_cache = kv_cache
+        # the last loop's log-probabilities (kl, entropy, argmax) and h (latent, gate)
         self.logp = None
+        self.h = None
+        # argmax: the loops each position's top-1 token has stayed the same
+        self.same = None
         # done: exited yet; exit_loops: K until a position exits
         self.done = None
         self.exit_loops = None
         if threshold is not None:
+            check_exit(rule, threshold, getattr(model, "exit_gate", None))
             self.done = torch.zeros_like(idx, dtype=torch.bool)
             self.exit_loops = torch.full(idx.shape, kv_cache.loops, device=idx.device)
 
+    def settled(self, h):
+        """(B, T) True where the rule says the position may stop after this loop, h = h(t); None
+        after loop 1 for the rules that compare two loops."""
+        h_prev, self.h = self.h, h
+        if self.rule == "latent":
+            if h_prev is None:
+                return None
+            return (h - h_prev).norm(dim=-1) / h.norm(dim=-1) < self.threshold
+        if self.rule == "gate":
+            return self.model.exit_gate(h, h_prev) < self.threshold
+        logp_prev, self.logp = self.logp, F.log_softmax(self.model.head(h), dim=-1)
+        if self.rule == "entropy":
+            return -(self.logp.exp() * self.logp).sum(-1) < self.threshold
+        if logp_prev is None:
+            return None
+        if self.rule == "argmax":
+            same = self.logp.argmax(-1) == logp_prev.argmax(-1)
+            self.same = torch.where(same, 1 if self.same is None else self.same + 1, 0)
+            return self.same >= self.threshold
+        # KL(p(t-1) || p(t)), clamped: 0 never exits on rounding
+        kl = F.kl_div(self.logp, logp_prev, log_target=True, reduction="none").sum(-1)
+        return kl.clamp(min=0) < self.threshold
+
     def update(self, t, hs):
         """After loop t (1..K), hs = [h(1), ..., h(t)]: positions that exited before it keep their
-        h; those whose prediction moved less than the threshold since loop t-1 exit at t. True
-        once no position loops on: the later loops' h and keys/values are then copies, filled in
-        here, and the loop can stop."""
+        h; those the rule calls settled exit at t. True once no position loops on:
+        the later loops' h and keys/values are then copies, filled in here, and the loop can
+        stop."""
         if self.threshold is None:
             return False
         K = self.kv_cache.loops
-        logp = F.log_softmax(self.head(hs[-1]), dim=-1)
-        # loop 1 has nothing to compare with
-        if self.logp is not None:
-            # KL(p(t-1) || p(t)), clamped: 0 never exits on rounding
-            kl = F.kl_div(logp, self.logp, log_target=True, reduction="none").sum(-1)
-            exits = ~self.done & (kl.clamp(min=0) < self.threshold)
-            hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])
+        settled = self.settled(hs[-1])
+        if settled is not None:
+            exits = ~self.done & settled
             self.exit_loops[exits] = t
+        if t > 1:
+            hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])
+        if settled is not None:
             # a done position is never checked again
             self.done = self.done | exits
-        self.logp = logp
         if t < K and self.done.all():
             self.kv_cache.fill(t, hs[-1].size(1))
             hs += hs[-1:] * (K - t)
@@ -365,9 +454,9 @@ class Step(NamedTuple):
     logits: torch.Tensor
 
 
-def loops_step(model, tokens, span, cache, exit_threshold=None):
+def loops_step(model, tokens, span, cache, exit_threshold=None, exit_rule="kl"):
     """A span's loops over tokens (B, T) written at the cache's position, and their logits: Step."""
-    hs, _ = cached_loops(model, tokens, span, cache, exit_threshold)
+    hs, _ = cached_loops(model, tokens, span, cache, exit_threshold, exit_rule)
     return Step(hs[-1], model.head(hs[-1]))
 
 
@@ -405,10 +494,11 @@ class Decoder:
     static paths a step's tokens and outputs stay on the device: no host read a token."""
 
     def __init__(self, model, idx, K, decode=None, attention_mask=None, cache_slots=None,
-                 exit_threshold=None):
+                 exit_threshold=None, exit_rule="kl"):
         self.model = model
         self.K = K
         self.exit_threshold = exit_threshold
+        self.exit_rule = exit_rule
         self.path = decode_path(decode, idx.device, exit_threshold)
         if self.path == "eager":
             self.cache = model.new_kv_cache(idx.size(0), K, attention_mask, cache_slots)
@@ -423,7 +513,8 @@ class Decoder:
         """eager: this call uncompiled whatever the path (another shape would be another graph)."""
         span = LoopSpan(self.K) if span is None else span
         if eager or self.path != "compiled":
-            return loops_step(self.model, tokens, span, self.cache, self.exit_threshold)
+            return loops_step(self.model, tokens, span, self.cache, self.exit_threshold,
+                              self.exit_rule)
         captured = self.device_type == "cuda"
         if captured:
             # a new replay begins: the last one's outputs may be overwritten

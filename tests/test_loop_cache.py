@@ -39,23 +39,46 @@ def last_writer(s, K, m):
     return max(t for t in range(K) if t % m == s)
 
 
-def slot_reference(model, idx, prefill, K, m, threshold=None):
+def rule_settled(rule, threshold, h, h_prev, logp, logp_prev, same, W):
+    """The exit rules of flt/decoding.py's EXIT_RULES written again from their definitions, for one
+    loop: (settled (B, n) or None, the scores compared or None, argmax's new count)."""
+    score = None
+    if rule == "kl" and logp_prev is not None:
+        score = (logp_prev.exp() * (logp_prev - logp)).sum(-1)
+    if rule == "entropy":
+        score = -(logp.exp() * logp).sum(-1)
+    if rule == "latent" and h_prev is not None:
+        score = torch.linalg.vector_norm(h - h_prev, dim=-1) / torch.linalg.vector_norm(h, dim=-1)
+    if rule == "gate":  # Ouro's gate: an MLP on [h(t), h(t) - h(t-1)], h(0) = 0
+        features = torch.cat([h, h - (0 if h_prev is None else h_prev)], -1)
+        hidden = torch.nn.functional.gelu(features @ W["exit_gate.fc.weight"].T + W["exit_gate.fc.bias"])
+        score = torch.sigmoid(hidden @ W["exit_gate.out.weight"][0] + W["exit_gate.out.bias"][0])
+    if rule == "argmax" and logp_prev is not None:
+        unchanged = logp.argmax(-1) == logp_prev.argmax(-1)
+        same = torch.where(unchanged, same + 1, torch.zeros_like(same))
+        return same >= threshold, same, same
+    return (None if score is None else score < threshold), score, same
+
+
+def slot_reference(model, idx, prefill, K, m, threshold=None, rule="kl"):
     """h(K) (B, T, d) of decoding idx: its first `prefill` tokens in one forward, then one token per
     forward. A forward's tokens see each other at the same loop; at loop t they see an earlier forward's
-    token j through j's keys/values of loop last_writer(t mod m). threshold: the KL exit rule; a token that
-    exited keeps its h and its keys/values of the exit loop. Returns (h(K), KL values compared)."""
+    token j through j's keys/values of loop last_writer(t mod m). threshold: the exit rule `rule`; a token
+    that exited keeps its h and its keys/values of the exit loop. Returns (h(K), the scores compared,
+    each position's loops (B, T))."""
     cfg, W = model.config, {k: v.detach().double() for k, v in model.state_dict().items()}
     H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
     past = []  # past[j][t][layer] = (k, v) of token j at loop t, each (B, Hkv, hd)
     # the variant's rule as tests/test_model.py: REFERENCE_RULES reads Sec. 4 (KeyError if missing)
     ref_restart, ref_injection = REFERENCE_RULES[cfg.variant]
-    outs, kls = [], []
+    outs, kls, exit_loops = [], [], []
     for p, q in [(0, prefill)] + [(n, n + 1) for n in range(prefill, idx.size(1))]:
         B, n = idx.size(0), q - p
         e = W["transformer.wte.weight"][idx[:, p:q]]
         pos = torch.arange(p, q)
         own = []  # own[t][layer] = (k, v) of this forward's tokens, each (B, n, Hkv, hd)
         hs, done, logp = [], torch.zeros(B, n, dtype=torch.bool), None
+        same, loops_run = torch.zeros(B, n, dtype=torch.long), torch.full((B, n), K)
         for t in range(K):
             h_prev = hs[-1] if hs else None
             if t == 0:
@@ -99,27 +122,32 @@ def slot_reference(model, idx, prefill, K, m, threshold=None):
             if threshold is not None:
                 logits = 15 * torch.tanh((h @ W["lm_head.weight"].T)[..., :cfg.vocab_size] / 15)
                 new_logp = torch.log_softmax(logits, dim=-1)
-                if logp is not None:
-                    kl = (logp.exp() * (logp - new_logp)).sum(-1)
-                    kls.append(kl[~done])
+                settled, score, same = rule_settled(rule, threshold, h, h_prev, new_logp, logp, same, W)
+                if score is not None:
+                    kls.append(score[~done].double())
+                if t > 0:
                     h = torch.where(done[..., None], hs[-1], h)
-                    done = done | (kl < threshold)
+                if settled is not None:
+                    loops_run[settled & ~done] = t + 1
+                    done = done | settled
                 logp = new_logp
             hs.append(h)
         past += [[[(k[:, i], v[:, i]) for k, v in own[t]] for t in range(K)] for i in range(n)]
         outs.append(hs[-1])
-    return torch.cat(outs, 1), torch.cat(kls) if kls else None
+        exit_loops.append(loops_run)
+    return torch.cat(outs, 1), torch.cat(kls) if kls else None, torch.cat(exit_loops, 1)
 
 
-def cached_states(model, idx, prefill, K, m, threshold=None):
-    """h(K) (B, T, d) of model.py's cached decoding with m slots (teacher-forced, as slot_reference)."""
+def cached_states(model, idx, prefill, K, m, threshold=None, rule="kl"):
+    """(h(K) (B, T, d), the cache, each position's loops or None) of model.py's cached decoding with m
+    slots (teacher-forced, as slot_reference), under the exit rule `rule` if threshold is given."""
     cache = model.new_kv_cache(idx.size(0), K, cache_slots=m)
     span = LoopSpan(K)
+    calls = [idx[:, :prefill]] + [idx[:, n:n + 1] for n in range(prefill, idx.size(1))]
     with torch.no_grad():
-        hs = [cached_loops(model, idx[:, :prefill], span, cache, threshold)[0][-1]]
-        for n in range(prefill, idx.size(1)):
-            hs.append(cached_loops(model, idx[:, n:n + 1], span, cache, threshold)[0][-1])
-    return torch.cat(hs, 1), cache
+        outs = [cached_loops(model, tokens, span, cache, threshold, rule) for tokens in calls]
+    exits = None if threshold is None else torch.cat([loops for _, loops in outs], 1)
+    return torch.cat([hs[-1] for hs, _ in outs], 1), cache, exits
 
 
 @pytest.mark.parametrize("attention", sorted(ATTENTION | ATTENTION_EXTRA))
@@ -154,7 +182,7 @@ def test_fewer_slots_decode_as_the_from_scratch_reference(variant, attention, wi
     model = model64(variant, attention, window_pattern=window_pattern)
     idx = random_tokens(2, 11, seed=1)  # decoding past the window (8)
     for m in (1, 2):
-        got, cache = cached_states(model, idx, 4, 3, m)
+        got, cache, _ = cached_states(model, idx, 4, 3, m)
         torch.testing.assert_close(got, slot_reference(model, idx, 4, 3, m)[0], **TIGHT)
         assert sorted(cache.kv) == [(s, layer) for s in range(m) for layer in range(3)]
 
@@ -177,7 +205,7 @@ def test_exited_positions_keep_their_exit_loop_in_the_slots(variant, attention, 
     least 1e-4 from every KL value compared (asserted), so no rounding decides an exit."""
     model, idx = model64(variant, attention), random_tokens(2, 12, seed=3)
     for m in (1, 2):
-        want, kls = slot_reference(model, idx, 5, 4, m, threshold)
+        want, kls, _ = slot_reference(model, idx, 5, 4, m, threshold)
         assert (kls - threshold).abs().min() > 1e-4 and (kls < threshold).any() and (kls > threshold).any()
         torch.testing.assert_close(cached_states(model, idx, 5, 4, m, threshold)[0], want, **TIGHT)
 

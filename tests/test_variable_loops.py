@@ -98,6 +98,11 @@ def test_estimate_flops_counts_no_grad_loops_as_forward_only():
     want = 6 * block * G + 2 * block * (K - G) + 6 * head + 3 * attn_fwd * G + attn_fwd * (K - G)
     assert model.estimate_flops(loops=K, bptt_loops=G) == want
     assert model.estimate_flops(loops=K, bptt_loops=9) == model.estimate_flops(loops=K)
+    # the loss on every loop: a frozen loop's h takes no gradient, so its head costs the forward
+    # and the weight's gradient, 4 per weight, and a trained loop's 6
+    every = GPT(make_config("FLT", n_layer=2, sequence_len=32, loss_all_loops=True))
+    want_every = want - 6 * head + 6 * head * G + 4 * head * (K - G)
+    assert every.estimate_flops(loops=K, bptt_loops=G) == want_every
 
 
 def test_regional_compile_does_not_recompile_as_k_varies():
@@ -305,7 +310,8 @@ def test_a_position_exits_when_kl_of_the_previous_loop_from_the_current_is_below
     kl = (loop1 * (loop1 / loop2).log()).sum(-1)  # KL(p(1) || p(2)), written out
     assert kl[0, 0] < 0.27 < kl[0, 1]
     cache = SimpleNamespace(loops=3, fill=lambda *args: None)
-    rule = ExitRule(0.27, torch.zeros(1, 2, dtype=torch.long), lambda h: h, cache)  # the head: logits = h
+    model = SimpleNamespace(head=lambda h: h)  # the head: logits = h
+    rule = ExitRule(0.27, torch.zeros(1, 2, dtype=torch.long), model, cache)
     hs = [loop1.log()]
     assert not rule.update(1, hs)
     hs.append(loop2.log())
