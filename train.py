@@ -314,12 +314,13 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): gradients averaged over the ranks; one all-reduce sums the norms'
-    # shares, the loss, guard's flags and each rank's largest residual norm (finite iff all are)
+    # The reduction (optim.py): gradients averaged over the ranks; one all-reduce also sums the
+    # norms' shares, the loss, the guard's 0-d flags and each rank's largest residual norm (finite
+    # iff all are: a check; the logged resid is rank 0's)
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
-    # The one host read (a GPU's one wait): the step's numbers, and what diagnostics record
+    # The one host read (a GPU's one wait): these device tensors, diagnostics' too, in one copy
     numbers = runtime.to_host(grad_norm=grad_norm, **sums, **watch.tensors(sq_norms, looped))
     train_loss = numbers["loss"] / world_size
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good
