@@ -14,12 +14,12 @@ ONE forward at max(loops) yields each K's logits as head(h(K)) (loop_losses).
 
 The metrics, each as the authors' scripts compute it (FuRuF-11/FullyLoopedTransformer):
 - val bpb: the targets' losses in nats / (ln 2 * their bytes) (evaluate_bpb)
-- exit, beyond the paper: bpb and loops per token under the KL exit rule (evaluate_exit)
+- exit, beyond the paper: bpb and loops per token under each exit rule (evaluate_exit)
 - WikiText-2 test perplexity: exp(mean NLL) (evaluate_ppl)
 - CORE (DCLM, nanochat's core_eval): the mean centered accuracy of the bundle's tasks, and
   Table 1's six downstream accuracies (evaluate_core)
 - tasks, beyond the paper: per-answer accuracy by difficulty on a synthetic reasoning task's
-  held-out items (evaluate_tasks; flt/tasks.py)
+  held-out items (evaluate_tasks; flt/tasks.py), and its loops under exit rules (evaluate_task_exit)
 Which tokens and items are scored never depends on this machine: batch_size and the number of
 processes change the speed only. The protocols, the modes and eval.json: docs/evaluation.md.
 """
@@ -46,8 +46,7 @@ modes = "bpb,wiki,core,sample"  # any of bpb, wiki, core, sample, exit, tasks
 loops = "1,3,6,9,12"            # loop budgets K (bpb, wiki, core: all from one forward at the
                                 # largest; exit: a forward a threshold; sample: a decode a K)
 device = ""                     # cuda | cuda:N | cpu | mps; empty = cuda if there is one, else cpu
-batch_size = 8                  # sequences per forward here: speed only,
-                                # never which tokens are scored
+batch_size = 8                  # sequences per forward here: speed only, never which are scored
 bpb_tokens = 40 * 2**19         # validation tokens for bpb: the authors' eval.sh count
 protocol_ranks = 4              # the authors' eval.sh ran 4 GPUs at device batch 4:
                                 # these two fix which
@@ -62,8 +61,7 @@ wiki_url = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
             "wikitext-2-v1/test-00000-of-00001.parquet")
 bundle_dir = ""                 # DCLM eval bundle directory; empty = data_dir/eval_bundle
 bundle_url = core.BUNDLE_URL
-max_per_task = -1               # CORE items per task after the seeded shuffle;
-                                # -1 = all (as nanochat)
+max_per_task = -1               # CORE items per task after the seeded shuffle; -1 = all (nanochat)
 sample_tokens = 48              # sample mode: tokens generated per prompt and K
 prompt = ""                     # sample mode: the prompts, '|' between two (a prompt holds
                                 # commas, never a '|'); empty = flt/modes.py: SAMPLE_PROMPTS
@@ -76,7 +74,9 @@ draft_loops = None              # sample mode: draft with K_d < K loops, verify 
 draft_len = 4                   # sample mode: tokens drafted a round (with draft_loops)
 out = ""                        # JSON path, not .md; empty = <step dir>/eval.json (eval.md beside)
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
-exit_thresholds = ""            # exit mode: comma-separated KL thresholds (nats) of the exit rule
+exit_rules = "kl"               # exit (and tasks) mode: comma-separated rules of EXIT_RULES
+exit_thresholds = ""            # exit mode: comma-separated thresholds of its rules but argmax
+argmax_counts = "1,2,3"         # exit mode: the argmax rule's thresholds (loops the top-1 is kept)
 task_items = 2048               # tasks mode: the held-out items scored (the test set's first N)
 
 BYTE_COUNTS = ("authors", "utf8")  # a token's two byte counts: val_bpb (the paper's), val_bpb_utf8
@@ -156,10 +156,10 @@ def evaluate_bpb(model, batches, tables, loops_list, progress=None):
 
 
 @torch.no_grad()
-def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None):
+def evaluate_exit(model, batches, token_bytes, loops, thresholds, exit_rule="kl", progress=None):
     """[{threshold, val_bpb, mean_loops}]: bpb as evaluate_bpb's, and the mean loops per target
-    with bytes, with the KL exit rule at each threshold and at most `loops` loops. One forward per
-    threshold: where a token exits changes the tokens after it."""
+    with bytes, with exit_rule (EXIT_RULES) at each threshold and at most `loops` loops. One
+    forward per threshold: where a token exits changes the tokens after it."""
     device = next(model.parameters()).device
     f64 = dict(dtype=torch.float64, device=device)
     # per threshold: the nats and the loops run over the targets that have bytes
@@ -172,7 +172,8 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, progress=None)
         x, y = x.to(device), y.to(device)
         counts = byte_counts(token_bytes, y)
         for i, threshold in enumerate(thresholds):
-            logits, looped = model(x, loops=loops, exit_threshold=threshold, return_loops=True)
+            logits, looped = model(x, loops=loops, exit_threshold=threshold, exit_rule=exit_rule,
+                                   return_loops=True)
             nats[i] += token_losses(logits, y)[counts > 0].sum().double()
             loops_run[i] += looped.exit_loops[counts > 0].sum().double()
             if progress:
@@ -214,6 +215,38 @@ def evaluate_tasks(model, batches, levels, loops_list, progress=None):
     accuracy = {K: {d: r[d] / answers[d] for d in levels} for K, r in zip(loops_list, right)}
     overall = {K: sum(r) / sum(answers) for K, r in zip(loops_list, right)}
     return accuracy, overall, {d: int(answers[d]) for d in levels}
+
+
+@torch.no_grad()
+def evaluate_task_exit(model, batches, levels, loops, exit_rule, thresholds, progress=None):
+    """[{threshold, acc, mean_loops, acc_by_difficulty, loops_by_difficulty}] on evaluate_tasks'
+    batches, with exit_rule at each threshold and at most `loops` loops: the per-answer accuracy and
+    loops run, in all and by difficulty. One forward per threshold. All-reduced."""
+    device = next(model.parameters()).device
+    # per threshold, the right answers and the loops run at each difficulty; the answers at each
+    n = max(levels) + 1
+    right = torch.zeros(len(thresholds), n, dtype=torch.float64, device=device)
+    loops_run = torch.zeros_like(right)
+    answers = torch.zeros(n, dtype=torch.float64, device=device)
+    for x, y, d in batches:
+        x, y, d = x.to(device), y.to(device), d.to(device)
+        scored = y >= 0
+        for i, t in enumerate(thresholds):
+            logits, looped = model(x, loops=loops, exit_threshold=t, exit_rule=exit_rule,
+                                   return_loops=True)
+            is_right = (logits.argmax(-1) == y)[scored].double()
+            right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)
+            ran = looped.exit_loops[scored].double()
+            loops_run[i] += torch.bincount(d[scored], weights=ran, minlength=n)
+            if progress:
+                progress()
+        answers += torch.bincount(d[scored], minlength=n)
+    runtime.all_reduce_sum(right, loops_run, answers)
+    answers = answers.tolist()
+    return [{"threshold": t, "acc": sum(r) / sum(answers), "mean_loops": sum(ran) / sum(answers),
+             "acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels},
+             "loops_by_difficulty": {str(d): ran[d] / answers[d] for d in levels}}
+            for t, r, ran in zip(thresholds, right.tolist(), loops_run.tolist())]
 
 
 # ----------------------------------------------------------------------------- WikiText-2
@@ -349,17 +382,19 @@ def main(argv):
     path, settings = eval_settings.read(argv, defaults, __file__)
     run_modes = eval_settings.chosen_modes(settings.modes)
     loops_list = eval_settings.loop_budgets(settings.loops)
-    thresholds = eval_settings.exit_thresholds(settings.exit_thresholds)
+    exits = eval_settings.exit_plan(settings, defaults, run_modes)  # {exit rule: thresholds}
     rt = runtime.setup(settings.device)
     runtime.init_group(rt)
     # the newest readable checkpoint, saying so; can it run every mode asked for?
     model, meta = load_model(path, rt.device, log=print0)
     eval_settings.check_checkpoint(settings.modes, run_modes, meta)
+    eval_settings.check_gate(settings, exits, model, meta)
     # the metrics above, each run by its mode; the estimate times the budget sweep (flt/modes.py)
     metrics = Metrics(sweep=loop_losses, bpb=evaluate_bpb, exit=evaluate_exit, wiki=evaluate_ppl,
-                      core=evaluate_core, tasks=evaluate_tasks, byte_counts=BYTE_COUNTS)
+                      core=evaluate_core, tasks=evaluate_tasks, task_exit=evaluate_task_exit,
+                      byte_counts=BYTE_COUNTS)
     # what the modes share: the model, its tokenizer and numerics, this process, the metrics
-    job = Job(settings, model.eval(), meta, rt, loops_list, thresholds, metrics)
+    job = Job(settings, model.eval(), meta, rt, loops_list, exits, metrics)
     json_path = settings.out or os.path.join(meta["path"], "eval.json")
     # eval.md beside it: refused here, before any work, if eval.py did not write it (report.py)
     md_path = report.check_table(json_path)
@@ -408,8 +443,8 @@ def main(argv):
 
     # the table of what the file holds now: this run's entries and those of earlier runs
     if measured:
-        print0(f"\n{json_path} now holds:\n{report.summary(held)}written to {json_path} and "
-               f"{md_path}")
+        print0(f"\n{json_path} now holds:\n{report.summary(held, loops_list)}written to "
+               f"{json_path} and {md_path}")
     # all eval.json holds, to the run's W&B (flt/tracking.py)
     if settings.wandb and rt.rank == 0 and measured:
         tracking.log_results(os.path.dirname(meta["path"]), json_path, meta.get("step"))

@@ -9,8 +9,8 @@ user's mistake (errors), and a run of the authors' code read into this format (a
 is the transformers wrapper a Hugging Face export ships.
 
 A reader of the paper needs none of it. Three modules go beyond the paper and are worth
-reading: decoding's KV cache of loop slots and the exit rule (decoding), which model.py's loop
-calls; drafting with fewer loops (drafting), which generate calls; and the synthetic reasoning tasks
+reading: decoding's KV cache of loop slots and the exit rules (decoding), which model.py's loop
+calls, with the learned exit gate trained on a frozen run (exit_gate); drafting with fewer loops (drafting), which generate calls; and the synthetic reasoning tasks
 whose difficulty is depth (tasks), which train.py trains on and eval.py's tasks mode scores.
 
 The user scripts built on it are in scripts/: bench (speed and memory), gpu_check (the recipe on

@@ -12,6 +12,8 @@ Checkpoints and run directories: how a multi-day run never loses work.
                             rank0.pt ... rankN.pt: each rank's optimizer shard, loader position, RNG
                             tokenizer.json: the tokenizer the weights were trained with
                             eval.json, eval.md, ...: results (eval.py), never pruned
+                            exit_gate.pt: the learned exit gate (flt/exit_gate.py), never pruned;
+                            load_model attaches it as model.exit_gate
         step_001000/
 
 The rules, each one a test in tests/test_train.py or tests/test_nothing_lost.py:
@@ -46,6 +48,7 @@ import torch
 import data
 from model import GPT, GPTConfig
 from flt import errors, runtime
+from flt.decoding import ExitGate
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
 # authors' code does. Format-1 weights were trained with the opposite rotation.
@@ -139,8 +142,42 @@ def load_model(path, device="cpu", log=print):
     step_dir, meta = load_newest(path, device, log=log)
     model = GPT(GPTConfig(**meta.pop("config")))
     model.load_state_dict(meta.pop("model"))
+    attach_gate(model, step_dir, device)
     meta["path"] = step_dir
     return model.to(device), meta
+
+
+# The learned exit gate a step directory may hold beside its checkpoint (flt/exit_gate.py writes it)
+GATE_FILE = "exit_gate.pt"
+
+
+def gate_config(gate):
+    """ExitGate's settings, {n_embd, hidden, margin}: what exit_gate.pt and an export's config.json
+    record. The margin is stored in float32 (its buffer); 7 digits give back the number chosen."""
+    return {"n_embd": gate.fc.in_features // 2, "hidden": gate.fc.out_features,
+            "margin": float(f"{gate.margin.item():.7g}")}
+
+
+def attach_gate(model, step_dir, device="cpu"):
+    """model.exit_gate (flt/decoding.py: ExitGate) from step_dir/exit_gate.pt, if there is one:
+    the exit rule "gate" then runs. A gate file that cannot be read, or was trained for another
+    width, is a ValueError naming it."""
+    path = os.path.join(step_dir, GATE_FILE)
+    if not os.path.isfile(path):
+        return
+    saved = load_file(path, device)
+    try:
+        config = saved["config"]
+        if config["n_embd"] != model.config.n_embd:
+            raise ValueError(f"n_embd {config['n_embd']}, the model's is {model.config.n_embd}")
+        gate = ExitGate(**config)
+        gate.load_state_dict(saved["gate"])
+    # a file that is no gate's dict, or one of another shape: never half loaded
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: not an exit gate of this model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); train it again with "
+                         f"python -m flt.exit_gate {step_dir}") from e
+    model.exit_gate = gate.eval()
 
 
 def run_tokenizer(meta):
@@ -177,6 +214,9 @@ def read_export(folder, device="cpu"):
         raise FormatError(f"{folder}: model_type {config.get('model_type')!r}, checkpoint format {run.get('format')}"
                           f": this code reads model_type 'flt' exported from checkpoint format {FORMAT}")
     model = GPT(GPTConfig(**{f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}))
+    # the learned exit gate, exported with the model (scripts/export_hf.py)
+    if config.get("exit_gate"):
+        model.exit_gate = ExitGate(model.config.n_embd, **config["exit_gate"])
     model.load_state_dict({name.removeprefix("model."): tensor for name, tensor in state.items()})
     return model.to(device), {"step": run.get("step"), "settings": run.get("settings", {}), "path": folder}
 
@@ -289,6 +329,8 @@ def _save(obj, path):
 def write_model_file(step_dir, state, config, step, settings, **extra):
     """step_dir/model.pt, this format's one layout: the weights (a state dict), the GPTConfig, the
     step, the settings and the format number; extra: more keys (save's world_size)."""
+    # a learned exit gate attached by load_model has its own file (GATE_FILE), never model.pt's
+    state = {k: v for k, v in state.items() if not k.startswith("exit_gate.")}
     meta = dict(model=state, config=asdict(config), step=step, settings=settings, format=FORMAT)
     _save(meta | extra, os.path.join(step_dir, "model.pt"))
 

@@ -111,7 +111,10 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     # the round ends rewound to start + the tokens it emitted. Entries past pos are stale drafts,
     # overwritten before any query reads them (a query sees keys up to its own position).
     while done < max_new_tokens:
-        start, n = idx.size(1) + done - 1, min(draft_len, max_new_tokens - done)
+        # the invariant: the prompt's P tokens and the `done` emitted ones but the last (`token`,
+        # fed first this round) are in the cache, so start = P + done - 1
+        start = idx.size(1) + done - 1
+        n = min(draft_len, max_new_tokens - done)
         # the draft: fed[i] through loops 1..K_d, its h(K_d) kept, drafts[i] the token after it
         fed, states, drafts, q = [token], [], [], []
         for i in range(n):
@@ -145,7 +148,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
         # the m confirmed drafts, then the K-loop token after them; all n confirmed, the last
         # draft is itself the K-loop token (no token after it: it was never fed)
         emitted = tokens[:, :min(m + 1, n)]
-        # the invariant for the next round: every emitted token but the new last
+        # the invariant for the next round: positions start..start+k-1 (k emitted) hold the fed
+        # `token` and the first k-1 drafts, which are the confirmed, emitted ones
         cache.rewind(start + emitted.size(1))
         token = emitted[:, -1:]
         counts["rounds"] += 1

@@ -5,8 +5,9 @@ and what it allows; eval.py prints it as one line (flt/errors.py).
     path, settings = eval_settings.read(argv, settings_of(globals()), __file__)
     run_modes = eval_settings.chosen_modes(settings.modes)        # in the order of modes.PLANS
     loops_list = eval_settings.loop_budgets(settings.loops)       # sorted, each once
-    thresholds = eval_settings.exit_thresholds(settings.exit_thresholds)
+    exits = eval_settings.exit_plan(settings, defaults, run_modes)   # {rule: thresholds}
     eval_settings.check_checkpoint(settings.modes, run_modes, meta)   # once it is loaded
+    eval_settings.check_gate(settings, exits, model, meta)            # the gate rule has a gate
 
 `settings` holds the values as given (eval.json records them); the functions above parse the lists.
 """
@@ -15,14 +16,14 @@ from types import SimpleNamespace
 
 from configurator import configure
 from flt import errors, tasks, tracking
-from flt.decoding import check_cache_slots
+from flt.decoding import EXIT_RULES, check_cache_slots
 from flt.drafting import check_draft
 from flt.modes import PLANS, sample_prompts
 from flt.runtime import dtype_bytes
 
 # The settings only some modes read: given to a run of other modes they would do nothing, so they are
-# refused. The others (modes, loops, device, dtype, out, wandb) serve every mode; exit_thresholds and
-# draft_len have checks of their own below.
+# refused. The others (modes, loops, device, dtype, out, wandb) serve every mode; the exit settings
+# (exit_plan) and draft_len have checks of their own below.
 READ_BY = {"batch_size": ("bpb", "wiki", "core", "exit", "tasks"),
            "bpb_tokens": ("bpb", "exit"), "protocol_ranks": ("bpb", "exit"),
            "protocol_batch": ("bpb", "wiki", "exit"), "val_files": ("bpb", "exit"),
@@ -31,7 +32,9 @@ READ_BY = {"batch_size": ("bpb", "wiki", "core", "exit", "tasks"),
            "bundle_dir": ("core",), "bundle_url": ("core",), "max_per_task": ("core",),
            "sample_tokens": ("sample",), "prompt": ("sample",), "temperature": ("sample",),
            "seed": ("sample",), "cache_slots": ("sample",), "draft_loops": ("sample",),
-           "draft_len": ("sample",), "task_items": ("tasks",)}
+           "draft_len": ("sample",), "task_items": ("tasks",),
+           "exit_rules": ("exit", "tasks"), "exit_thresholds": ("exit", "tasks"),
+           "argmax_counts": ("exit", "tasks")}
 # Counts that must be positive integers
 COUNTS = ("batch_size", "bpb_tokens", "protocol_ranks", "protocol_batch", "sample_tokens", "task_items")
 
@@ -50,9 +53,8 @@ def read(argv, defaults, source):
     settings = SimpleNamespace(**configure(dict(defaults), argv[1:]))
     run_modes = chosen_modes(settings.modes)
     loops_list = loop_budgets(settings.loops)
-    if ("exit" in run_modes) != bool(exit_thresholds(settings.exit_thresholds)):
-        raise ValueError(THRESHOLDS.format(settings.exit_thresholds))
     check_read(settings, defaults, run_modes)
+    exit_plan(settings, defaults, run_modes)
     check_sampling(settings, defaults, loops_list)
     # the inputs a mode reads, found before any model time is spent
     given = [("--val_files", f) for f in settings.val_files.split(",") if f]
@@ -98,12 +100,13 @@ def loop_budgets(value):
     return sorted(set(map(int, budgets)))
 
 
-THRESHOLDS = ("--exit_thresholds={!r}: the exit mode needs, and only it takes, comma-separated KL "
-              "thresholds >= 0, e.g. 0.1,0.03,0.01")
+THRESHOLDS = ("--exit_thresholds={!r}: the exit mode needs comma-separated thresholds >= 0 for its "
+              "rules other than argmax (kl, entropy: nats; latent: a relative change; gate: a "
+              "probability), e.g. 0.1,0.03,0.01")
 
 
 def exit_thresholds(value):
-    """The KL thresholds (nats) of an --exit_thresholds setting such as "0.1,0.01"; [] for ""."""
+    """The thresholds of an --exit_thresholds setting such as "0.1,0.01"; [] for ""."""
     try:
         thresholds = [float(v) for v in value.split(",") if v.strip()]
     except ValueError:
@@ -111,6 +114,62 @@ def exit_thresholds(value):
     if not all(t >= 0 for t in thresholds):
         raise ValueError(THRESHOLDS.format(value))
     return thresholds
+
+
+def exit_rules(value):
+    """The rules of an --exit_rules setting such as "kl,argmax" (flt/decoding.py: EXIT_RULES), each
+    once, in EXIT_RULES' order."""
+    asked = [r.strip() for r in value.split(",") if r.strip()]
+    if not asked or set(asked) - set(EXIT_RULES):
+        raise ValueError(f"--exit_rules={value!r}: expected comma-separated exit rules of "
+                         f"{','.join(EXIT_RULES)}, e.g. kl,entropy,argmax")
+    return [r for r in EXIT_RULES if r in asked]
+
+
+def argmax_counts(value):
+    """The argmax rule's thresholds, an --argmax_counts setting such as "1,2,3": the loops a
+    position's top-1 token must stay the same, integers >= 1, sorted, each once."""
+    counts = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not counts or not all(v.isdigit() and int(v) >= 1 for v in counts):
+        raise ValueError(f"--argmax_counts={value!r}: expected comma-separated integers >= 1 (the "
+                         "loops the top-1 token must stay the same), e.g. 1,2,3")
+    return sorted(set(map(int, counts)))
+
+
+# The settings of depth per token, read by the exit mode and, when one is given, the tasks mode
+EXIT_SETTINGS = ("exit_rules", "exit_thresholds", "argmax_counts")
+
+
+def exit_plan(settings, defaults, run_modes):
+    """{rule: its thresholds} the exit and tasks modes score, {} for none: each rule of --exit_rules
+    at --exit_thresholds, argmax at --argmax_counts (its thresholds are integers, so one list
+    cannot serve it). The exit mode scores them always; the tasks mode when any of EXIT_SETTINGS
+    is given. A ValueError names a setting that would do nothing or is missing."""
+    rules = exit_rules(settings.exit_rules)
+    thresholds = exit_thresholds(settings.exit_thresholds)
+    counts = argmax_counts(settings.argmax_counts)
+    given = [key for key in EXIT_SETTINGS if getattr(settings, key) != defaults[key]]
+    if "exit" not in run_modes and not ("tasks" in run_modes and given):
+        return {}
+    if "argmax" not in rules and settings.argmax_counts != defaults["argmax_counts"]:
+        raise ValueError(f"--argmax_counts={settings.argmax_counts!r} does nothing without the "
+                         f"argmax rule: add it to --exit_rules={settings.exit_rules!r}, or remove "
+                         "it")
+    if rules != ["argmax"] and not thresholds:
+        raise ValueError(THRESHOLDS.format(settings.exit_thresholds))
+    if rules == ["argmax"] and thresholds:
+        raise ValueError(f"--exit_thresholds={settings.exit_thresholds!r} does nothing with "
+                         "--exit_rules='argmax', whose thresholds are --argmax_counts: remove it")
+    return {rule: counts if rule == "argmax" else thresholds for rule in rules}
+
+
+def check_gate(settings, exits, model, meta):
+    """A ValueError unless a model scored with the gate rule carries a trained exit gate
+    (exit_gate.pt beside its model.pt, attached by flt/checkpoint.py: load_model)."""
+    if "gate" in exits and getattr(model, "exit_gate", None) is None:
+        raise ValueError(f"--exit_rules={settings.exit_rules!r}: {meta['path']} has no exit gate "
+                         "(exit_gate.pt beside model.pt); train one with `python -m flt.exit_gate "
+                         "RUN`")
 
 
 def check_read(settings, defaults, run_modes):

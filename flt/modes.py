@@ -6,14 +6,15 @@ and merges it into eval.json. A mode run with one of its CHOICES off the default
 apart, under metric[setting=value,...] (plan).
 
     metrics = modes.Metrics(sweep=loop_losses, bpb=evaluate_bpb, ...)    # eval.py's functions
-    job = modes.Job(settings, model, meta, rt, loops_list, thresholds, metrics)   # what they share
+    job = modes.Job(settings, model, meta, rt, loops_list, exits, metrics)   # what they share
     planned = {mode: modes.plan(mode, settings, defaults, job) for mode in run_modes}
     seconds = modes.estimate(settings, job, planned)            # {mode: Span(low, mid, high)}
     by_K, measured = planned["bpb"].run()
 
 The metrics are eval.py's functions (evaluate_bpb, evaluate_exit, evaluate_ppl, evaluate_core,
-evaluate_tasks, loop_losses), which eval.py's main hands over in a Metrics: imports flow one way,
-from eval.py to this package, never back. The modes hold no arithmetic of their own.
+evaluate_tasks, evaluate_task_exit, loop_losses), which eval.py's main hands over in a Metrics:
+imports flow one way, from eval.py to this package, never back. The modes hold no arithmetic of
+their own.
 """
 import functools
 import itertools
@@ -52,17 +53,19 @@ class Metrics(NamedTuple):
     wiki: Callable
     core: Callable
     tasks: Callable
+    task_exit: Callable
     byte_counts: tuple
 
 
 class Job:
     """What the modes of one eval.py run share: the model and the settings it was trained with,
-    this process (rt), the loop budgets and exit thresholds, eval.py's metrics (Metrics), the
+    this process (rt), the loop budgets, the exit rules' thresholds ({rule: thresholds},
+    eval_settings.exit_plan), eval.py's metrics (Metrics), the
     tokenizer saved with the weights, the numerics the run trained with (bf16 embedding and
     autocast, or fp32: runtime.precision), where downloads land, and the validation batches once
     built (validation)."""
 
-    def __init__(self, settings, model, meta, rt, loops, thresholds, metrics):
+    def __init__(self, settings, model, meta, rt, loops, exits, metrics):
         self.model = model
         self.metrics = metrics
         self.trained = meta.get("settings", {})
@@ -71,7 +74,7 @@ class Job:
         self.world = rt.world
         self.device = rt.device
         self.loops = loops
-        self.thresholds = thresholds
+        self.exits = exits
         self.seq_len = model.config.sequence_len
         self.tokenizer = checkpoint.run_tokenizer(meta)
         dtype = settings.dtype or self.trained.get("dtype", "fp32")
@@ -155,19 +158,30 @@ def bpb_mode(settings, job):
 
 
 def exit_mode(settings, job):
-    """bpb and loops per token under the KL exit rule at each threshold (Metrics.exit)."""
+    """bpb and loops per token under each exit rule at each of its thresholds (Metrics.exit): kl's
+    curve under "exit", as ever; the other rules' under "exit_rules", {rule: curve}. eval.json
+    merges both by (rule, threshold) (report.merge)."""
     val, K_max = validation(settings, job), job.loops[-1]
-    n = len(job.thresholds) * len(val.batches)
+    # a forward per batch, rule and threshold
+    n_thresholds = sum(map(len, job.exits.values()))
+    n = n_thresholds * len(val.batches)
 
     def run():
-        curve = job.metrics.exit(job.model, val.batches, job.tables["authors"], K_max,
-                                 job.thresholds, progress_of(job, "exit", n))
-        print0(f"exit rule, K <= {K_max}: " + "  ".join(
-            f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops"
-            for r in curve))
-        return {K_max: {"exit": curve}}, val.measured
-    return Plan(f"the bpb mode's tokens, K <= {K_max}, thresholds {job.thresholds}: "
-                f"{len(job.thresholds)} x {val.forwards}", n, run)
+        progress = progress_of(job, "exit", n)
+        curves = {}
+        for rule, thresholds in job.exits.items():
+            curves[rule] = job.metrics.exit(job.model, val.batches, job.tables["authors"], K_max,
+                                            thresholds, rule, progress)
+            print0(f"exit rule {rule}, K <= {K_max}: " + "  ".join(
+                f"{r['threshold']:g}: {r['val_bpb']:.4f} bpb at {r['mean_loops']:.2f} loops"
+                for r in curves[rule]))
+        results = {"exit": curves.pop("kl")} if "kl" in curves else {}
+        if curves:
+            results["exit_rules"] = curves
+        return {K_max: results}, val.measured
+    asked = ", ".join(f"{rule} at {thresholds}" for rule, thresholds in job.exits.items())
+    return Plan(f"the bpb mode's tokens, K <= {K_max}, exit rules {asked}: "
+                f"{n_thresholds} x {val.forwards}", n, run)
 
 
 def wiki_mode(settings, job):
@@ -276,8 +290,11 @@ def tasks_mode(settings, job):
     batches = task.batches(settings.task_items * task.item_len, settings.batch_size, job.rank,
                            job.world, difficulty=True)
 
+    K_max = job.loops[-1]
+    n_exit = sum(map(len, job.exits.values())) * len(batches)
+
     def run():
-        progress = progress_of(job, f"{task.name} accuracy", len(batches))
+        progress = progress_of(job, f"{task.name} accuracy", len(batches) + n_exit)
         accuracy, overall, answers = job.metrics.tasks(job.model, batches, task.levels, job.loops,
                                                        progress)
         results = {}
@@ -286,11 +303,26 @@ def tasks_mode(settings, job):
             results[K] = {"task_acc": overall[K], "task_acc_by_difficulty": levels}
             print0(f"{task.name} K={K}: accuracy {overall[K]:.4f}; by difficulty "
                    + " ".join(f"{d}:{a:.2f}" for d, a in levels.items()))
+        # depth per token (eval_settings.exit_plan): each rule's accuracy and loops per answer
+        task_exit = {}
+        for rule, thresholds in job.exits.items():
+            task_exit[rule] = job.metrics.task_exit(job.model, batches, task.levels, K_max, rule,
+                                                    thresholds, progress)
+            for r in task_exit[rule]:
+                print0(f"{task.name} exit rule {rule} {r['threshold']:g}, K <= {K_max}: accuracy "
+                       f"{r['acc']:.4f} at {r['mean_loops']:.2f} loops; loops by difficulty "
+                       + " ".join(f"{d}:{v:.2f}" for d, v in r["loops_by_difficulty"].items()))
+        if task_exit:
+            results.setdefault(K_max, {})["task_exit"] = task_exit
         return results, {"task": task.name, "difficulty": task.D, "items": settings.task_items,
                          "answers": {str(d): n for d, n in answers.items()}}
+    exits = ""
+    if job.exits:
+        asked = ", ".join(f"{rule} at {thresholds}" for rule, thresholds in job.exits.items())
+        exits = f"; and {n_exit} forwards under exit rules {asked}"
     return Plan(f"{settings.task_items:,} held-out {task.name} items of difficulty {task.D} "
                 f"({len(task.levels)} levels), {len(batches)} forwards of {settings.batch_size} x "
-                f"{job.seq_len} at K={job.loops[-1]}", len(batches), run)
+                f"{job.seq_len} at K={job.loops[-1]}{exits}", len(batches) + n_exit, run)
 
 
 # eval.py's modes, in the order they run
@@ -361,9 +393,10 @@ def estimate(settings, job, planned, calls=TIMED_CALLS):
     its own kind, timed `calls` times after one to warm up, at max(loops) on a batch_size x
     sequence_len batch. The kinds: the budget sweep's (Metrics.sweep, the head at every K); the
     exit rule's forward for exit (its KL reads every loop's logits), on text, where tokens exit
-    depending on it, each call at the next threshold; for samples a decoding step's (a generate
-    call's tokens after its first, whose time holds the prefill). The mean, not the fastest: on a
-    loaded machine the fastest call is the lucky one, and the mode runs at the mean."""
+    depending on it, each call at the next (rule, threshold); for samples a decoding step's (a
+    generate call's tokens after its first, whose time holds the prefill). The mean, not the
+    fastest: on a loaded machine the fastest call is the lucky one, and the mode runs at the
+    mean."""
     K_max = job.loops[-1]
     x = torch.zeros(settings.batch_size, job.seq_len, dtype=torch.long, device=job.device)
 
@@ -372,12 +405,12 @@ def estimate(settings, job, planned, calls=TIMED_CALLS):
 
     # the exit rule's text: the first validation batch (validation, the exit mode's plan built it)
     text = job.val.batches[0][0].to(job.device) if job.val and job.val.batches else x
-    thresholds = itertools.cycle(job.thresholds)
+    exits = itertools.cycle([(rule, t) for rule, ts in job.exits.items() for t in ts])
 
     def exit_rule():
-        threshold = next(thresholds)
+        rule, threshold = next(exits)
         return runtime.timed(lambda: job.model(text, loops=K_max, exit_threshold=threshold,
-                                               return_loops=True), job.device)
+                                               exit_rule=rule, return_loops=True), job.device)
 
     def step():
         # a prompt of up to 8 tokens, and up to 17 tokens after it: 16 steps timed

@@ -6,6 +6,9 @@
   (write_results; merge, which scripts.lm_eval_flt's lm_eval.json shares), read back by scripts.plot
   and eval.py --wandb (read_results). An eval.md that is not eval.py's own is never replaced
   (check_table).
+- depth per token: the exit rules' curves (exit_curves) against fixed K, the fewest loops per token
+  within 0.1% and 1% of the best fixed-K bpb (exit_savings, exit_table), which eval.py prints and
+  `plot.py exit-table` lays out over runs.
 - eval.py's lines: a number per K (per_K), a duration (minutes), a time estimate (estimated,
   estimates), the closing line of a run whose modes did not all run (failures).
 
@@ -100,10 +103,11 @@ def table(results):
     return markdown(["K"], table_rows(results))
 
 
-def summary(results):
+def summary(results, loops=None):
     """What eval.py prints of an eval.json's results: the table (none without a row), then a line
     naming the entries it has no column for (samples, the exit curve, val_bpb_utf8, ...) and the Ks
-    that hold them."""
+    that hold them, then for each label with exit curves the exit table against fixed K at `loops`
+    (exit_table)."""
     shown = {key for _, key, *_ in COLUMNS} | {"tasks"}
     other = {}
     for K, r in results.items():
@@ -112,9 +116,79 @@ def summary(results):
                 other.setdefault(key, []).append(str(K))
     line = "; ".join(f"{key} at K={','.join(Ks)}" for key, Ks in other.items())
     rows = table_rows(results)
+    tags = sorted({tag for r in results.values() for tag, group in by_label(r).items()
+                   if exit_curves(group)})
+    exits = "".join(exit_table(results, loops, tag) for tag in tags)
     if not rows:
-        return f"{line}\n" if line else ""
-    return markdown(["K"], rows) + (f"also held: {line}\n" if line else "")
+        return (f"{line}\n" if line else "") + exits
+    return markdown(["K"], rows) + (f"also held: {line}\n" if line else "") + exits
+
+
+# ----------------------------------------------------------------------------- depth per token
+# An exit rule's point is as good as fixed K when its bpb is within these shares of the best
+# fixed-K bpb
+TOLERANCES = (0.001, 0.01)
+
+
+def exit_curves(r):
+    """{rule: [{threshold, val_bpb, mean_loops}]} of one K's results (an eval.json results[K], one
+    label's: by_label): kl's curve is held under "exit", the other rules' under "exit_rules"."""
+    curves = {"kl": r["exit"]} if r.get("exit") else {}
+    return curves | r.get("exit_rules", {})
+
+
+def exit_savings(fixed, curves, tolerances=TOLERANCES):
+    """{"fixed K": [...], rule: [...]}: for each tolerance, the fewest loops per token whose bpb is
+    within it of the best of `fixed` ({K: val_bpb}, every token K loops): the least such K, and
+    each rule's least mean loops over its curve (curves: exit_curves); None where none is."""
+    best = min(fixed.values())
+    limits = [best * (1 + tol) for tol in tolerances]
+    rows = {"fixed K": [min((K for K, b in fixed.items() if b <= limit), default=None)
+                        for limit in limits]}
+    for rule, curve in curves.items():
+        rows[rule] = [min((p["mean_loops"] for p in curve if p["val_bpb"] <= limit), default=None)
+                      for limit in limits]
+    return rows
+
+
+# The exit table's columns: a rule's (or fixed K's) name, the best fixed-K bpb, and per tolerance
+# the fewest loops per token within it
+EXIT_HEADER = ["loops per token", "best fixed-K bpb",
+               *(f"within {tol * 100:g}%" for tol in TOLERANCES)]
+
+
+def exit_rows(results, loops=None, label=""):
+    """The exit table's rows (EXIT_HEADER) of {K: results at K}: for each K holding exit curves
+    (those kept apart under `label` where one is given), exit_savings against the bpb mode's
+    fixed-K val_bpb at `loops` (None: every K that has one); where there is none, a row per rule
+    that says so. [] without exit curves."""
+    groups = {int(K): by_label(r).get(label, {}) for K, r in results.items()}
+    fixed = {K: g["val_bpb"] for K, g in groups.items()
+             if "val_bpb" in g and (loops is None or K in loops)}
+    rows = []
+    for K, group in groups.items():
+        curves = exit_curves(group)
+        if curves and not fixed:
+            at = f" at K in {list(loops)}" if loops else ""
+            missing = f"none{at}: run eval.py --modes=bpb"
+            rows += [[f"{rule}, K <= {K}", missing, *("-" for _ in TOLERANCES)] for rule in curves]
+        if not curves or not fixed:
+            continue
+        K_best = min(fixed, key=fixed.get)
+        best = f"{fixed[K_best]:.4f} (K={K_best})"
+        for rule, fewest in exit_savings(fixed, curves).items():
+            name = rule if rule == "fixed K" else f"{rule}, K <= {K}"
+            # fixed K's are loop counts, the rules' mean loops
+            cells = ["-" if v is None else f"{v:.2f}" if isinstance(v, float) else v
+                     for v in fewest]
+            rows.append([name, best, *cells])
+    return rows
+
+
+def exit_table(results, loops=None, label=""):
+    """Markdown: exit_rows under EXIT_HEADER, the label named in its first column."""
+    first = f"{EXIT_HEADER[0]} [{label}]" if label else EXIT_HEADER[0]
+    return grid([first, *EXIT_HEADER[1:]], exit_rows(results, loops, label))
 
 
 # ----------------------------------------------------------------------------- eval.json
@@ -186,16 +260,37 @@ def check_table(json_path):
     return md_path
 
 
+# The curves merged point by point, by (rule, threshold), not replaced whole: a later run's
+# thresholds join the earlier ones. exit: the kl rule's [{threshold, ...}]; exit_rules and
+# task_exit: {rule: the rule's points}
+CURVES = ("exit", "exit_rules", "task_exit")
+
+
+def merge_points(old, new):
+    """new's points merged into old's, by threshold (lists of {threshold, ...}) or by rule and then
+    threshold ({rule: points}): a point at a threshold new has replaces old's in place, new's other
+    points follow, and old's other points stay."""
+    if isinstance(new, dict):
+        return old | {rule: merge_points(old.get(rule, []), points) for rule, points in new.items()}
+    fresh = {p["threshold"]: p for p in new}
+    kept = [fresh.pop(p["threshold"], p) for p in old]
+    return kept + list(fresh.values())
+
+
 def merge(old, record, results, measured):
     """One run's results ({K: {key: value}}) merged into old (read_results' doc; None: a new file) by
-    (K, key): a rerun replaces only the entries it computed again. record: the run's {"checkpoint",
+    (K, key): a rerun replaces only the entries it computed again; a curve of CURVES, only its
+    points it computed again (merge_points). record: the run's {"checkpoint",
     "step", "settings", "time"} (its key, now()); measured: what it measured. A run none of whose
     entries is left is dropped. Returns the new doc (without its table)."""
     doc = {"checkpoint": record["checkpoint"], "step": record["step"], "results": {}, "computed": {}, "runs": {}}
     if old:
         doc |= {key: old[key] for key in ("results", "computed", "runs")}
     for K, r in results.items():
-        doc["results"].setdefault(str(K), {}).update(r)
+        held = doc["results"].setdefault(str(K), {})
+        for key, value in r.items():
+            curve = key.partition("[")[0] in CURVES and key in held
+            held[key] = merge_points(held[key], value) if curve else value
         doc["computed"].setdefault(str(K), {}).update(dict.fromkeys(r, record["time"]))
     doc["runs"][record["time"]] = {"settings": record["settings"], "measured": measured}
     used = {run for by_metric in doc["computed"].values() for run in by_metric.values()}

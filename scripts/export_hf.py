@@ -9,7 +9,9 @@ The folder loads offline, anywhere, with transformers alone:
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True); AutoTokenizer.from_pretrained(folder)
 and eval.py and lm_eval_flt read it as they read a run. It holds:
     config.json              every GPTConfig setting (loops: the default K) and auto_map, which names the code below
-    model.safetensors        the weights, in fp32 (tensors only: loading them runs no code)
+                             (and exit_gate: {hidden, margin} if the run has a learned exit gate)
+    model.safetensors        the weights, in fp32 (tensors only: loading them runs no code);
+                             the exit gate's (flt/exit_gate.py) under model.exit_gate.
     tokenizer.json           the run's tokenizer; encoding with special tokens puts the document token (BOS) first
     tokenizer_config.json    BOS = EOS = PAD = the document token; padding on the left (model.py's padding)
     generation_config.json   decoding stops at the document token (a new document would begin)
@@ -87,6 +89,10 @@ def export(run, out, loops=None, force=False, log=print):
     model, meta = checkpoint.load_model(run, log=log)
     settings = meta.get("settings", {})
     config = asdict(GPTConfig(**asdict(model.config) | ({} if loops is None else {"loops": loops})))
+    # the learned exit gate (flt/exit_gate.py), if the run has one: its weights go with the model's
+    gate = getattr(model, "exit_gate", None)
+    if gate is not None:
+        config["exit_gate"] = {k: v for k, v in checkpoint.gate_config(gate).items() if k != "n_embd"}
     tok = data.load_tokenizer(os.path.join(meta["path"], "tokenizer.json"), bos=settings.get("bos_token", data.BOS))
     bos = tok.tok.id_to_token(tok.bos_id)
     with atomic_dir(out) as tmp:  # <out> is whole or absent

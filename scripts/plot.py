@@ -6,7 +6,9 @@ matplotlib: pip install -r requirements/plot.txt):
     python -m scripts.plot val out/fig5/* -o val.png                            # val bpb over training
     python -m scripts.plot sweep out/base_flt_k{3,6,9,12} --metric avg -o fig6.png   # Fig. 6: test-time sweep
     python -m scripts.plot exit out/loops/d2_flt_k4* -o exit.png              # bpb against loops per token
+    python -m scripts.plot exit-table out/loops/d2_flt_k4*                    # loops to match fixed K
     python -m scripts.plot depth out/reasoning/* -o depth.png                 # a reasoning task's accuracy
+    python -m scripts.plot task-exit out/reasoning/* -o task_exit.png         # loops per answer by difficulty
     python -m scripts.plot resid out/diag/small_*_k12 --loops 6 9 12 -o fig7.png      # Fig. 7
     python -m scripts.plot grads out/diag/small_*_k12 -o fig8.png                     # Fig. 8
     python -m scripts.plot core out/base_flt_k12* -o fig9.png                         # Fig. 9: CORE in training
@@ -14,8 +16,8 @@ matplotlib: pip install -r requirements/plot.txt):
     python -m scripts.plot runs out/                                   # the runs below out/, a row each
 Inputs are runs: train.py's out_dir, or a file or step_* directory inside it (runs takes folders and
 finds the runs below them). The curves (diag, loss, val, resid, grads, core) and runs read the run's
-log.jsonl (runs its settings.json too); sweep, exit and table read eval.py's eval.json (given, in the
-step directory given, or in the run's newest step_* that has one). A run is labelled
+log.jsonl (runs its settings.json too); sweep, exit, depth, task-exit and the tables read eval.py's
+eval.json (given, in the step directory given, or in the run's newest step_* that has one). A run is labelled
 "<variant> K=<loops>" from the settings.json train.py writes into out_dir, else by its directory's
 name; --labels overrides. Training losses are smoothed by an EMA with beta 0.9, as in the paper.
 An --out that exists is replaced only if this script wrote it (a rerun): a figure that names it as
@@ -239,26 +241,86 @@ def sweep(evals, labels, name=None):
     return fig
 
 
+# Each exit rule's look in the exit figure (a run's colour is its own): kl's as the figure drew it
+# before there were other rules
+RULE_STYLES = {"kl": "s-", "entropy": "^-.", "latent": "v:", "argmax": "D-", "gate": "P--"}
+
+
 def exit_curves(evals, labels, label=None):
     """Depth per token: val bpb against loops per token, for each run its fixed-K sweep (every token
-    runs K loops) and its exit rule's curve (mean loops per token over eval.py's exit_thresholds).
+    runs K loops, dashed) and each exit rule's curve (mean loops per token over eval.py's thresholds;
+    report.exit_curves), a marker and line style per rule (RULE_STYLES), a colour per run.
     label: the results eval.py kept apart under it (e.g. "bpb_tokens=32768"), not the defaults."""
-    bpb, exit = (f"val_bpb[{label}]", f"exit[{label}]") if label else ("val_bpb", "exit")
+    bpb = f"val_bpb[{label}]" if label else "val_bpb"
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for i, (path, label) in enumerate(zip(evals, labels)):
+    for i, (path, name) in enumerate(zip(evals, labels)):
         results = read_eval(path)
         fixed = {K: r[bpb] for K, r in results.items() if bpb in r}
-        curve = sorted((p["mean_loops"], p["val_bpb"]) for r in results.values() for p in r.get(exit, ()))
-        if not curve:
-            kept = sorted({k for r in results.values() for k in r if k.startswith("exit[")})
+        rules = {}
+        for r in results.values():
+            for rule, points in report.exit_curves(report.by_label(r).get(label or "", {})).items():
+                rules.setdefault(rule, []).extend((p["mean_loops"], p["val_bpb"]) for p in points)
+        if not rules:
+            kept = sorted({k for r in results.values() for k in r if k.startswith(("exit[", "exit_rules["))})
+            exit = f"exit[{label}]" if label else "exit"
             raise ValueError(f"{path}: no {exit} curve in its eval.json; run eval.py --modes=bpb,exit "
                              f"--exit_thresholds=..." + (f" (it holds {', '.join(kept)}: --label)" if kept else ""))
-        ax.plot(list(fixed), list(fixed.values()), "o--", color=f"C{i}", label=f"{label}: K loops for every token")
-        ax.plot(*zip(*curve), "s-", color=f"C{i}", label=f"{label}: exit rule (mean loops per token)")
+        ax.plot(list(fixed), list(fixed.values()), "o--", color=f"C{i}", label=f"{name}: K loops for every token")
+        for rule, curve in rules.items():
+            what = "exit rule" if list(rules) == ["kl"] else f"{rule} exit rule"
+            ax.plot(*zip(*sorted(curve)), RULE_STYLES[rule], color=f"C{i}",
+                    label=f"{name}: {what} (mean loops per token)")
     ax.set(title="Loops per token against val bpb", xlabel="loops per token", ylabel="val bpb")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def exit_table(evals, labels, label=None):
+    """Markdown: for each run and exit rule, the fewest mean loops per token whose val bpb is within
+    0.1% and 1% of the run's best fixed-K bpb (report.exit_rows: every K the bpb mode scored), and
+    fixed K's own; a row saying so where the run has no fixed-K bpb."""
+    rows = []
+    for path, name in zip(evals, labels):
+        found = report.exit_rows(read_eval(path), None, label or "")
+        if not found:
+            raise ValueError(f"{path}: no exit curve{f' [{label}]' if label else ''} in its eval.json; "
+                             "run eval.py --modes=bpb,exit --exit_thresholds=...")
+        rows += [[name, *row] for row in found]
+    return report.grid(["run", *report.EXIT_HEADER], rows)
+
+
+def task_exit_curves(evals, labels):
+    """A reasoning task's depth per answer (eval.py --modes=tasks with exit settings: task_exit):
+    a panel per run, the mean loops an answer ran against its difficulty, a line per rule and
+    threshold (a marker per rule, RULE_STYLES; lighter the larger the threshold), its accuracy in
+    the legend."""
+    plt = pyplot()
+    runs = []
+    for path, name in zip(evals, labels):
+        found = [(K, key, r[key]) for K, r in read_eval(path).items() for key in r
+                 if key.partition("[")[0] == "task_exit"]
+        if not found:
+            raise ValueError(f"{path}: no task_exit in its eval.json; run eval.py --modes=tasks "
+                             "--exit_rules=... --exit_thresholds=...")
+        runs.append((name, found))
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), squeeze=False)
+    shades = plt.get_cmap("viridis")
+    for ax, (name, found) in zip(axes.flat, runs):
+        for K, key, by_rule in found:
+            tag = key.partition("[")[2].removesuffix("]")
+            for rule, points in by_rule.items():
+                ordered = sorted(points, key=lambda p: p["threshold"])
+                for j, p in enumerate(ordered):
+                    levels = p["loops_by_difficulty"]
+                    ax.plot([int(d) for d in levels], list(levels.values()), RULE_STYLES[rule],
+                            color=shades(j / max(1, len(ordered) - 1)),
+                            label=f"{rule} {p['threshold']:g}, K <= {K}{f' [{tag}]' if tag else ''}: "
+                                  f"accuracy {p['acc']:.2f}")
+        ax.set(title=name, xlabel="difficulty (prefix length or hops)", ylabel="mean loops per answer")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
     return fig
 
 
@@ -388,7 +450,8 @@ def written_here(path):
         content = f.read()
     if any(creator + MARK.encode() in content for creator in CREATOR.values()):
         return True
-    headers = (report.markdown(["model", "depth", "K"], []), report.grid(RUNS_HEADER, []))
+    headers = (report.markdown(["model", "depth", "K"], []), report.grid(RUNS_HEADER, []),
+               report.grid(["run", *report.EXIT_HEADER], []))
     return (any(content.startswith(header.encode()) for header in headers)
             and all(line.startswith(b"|") for line in content.splitlines()))
 
@@ -411,11 +474,11 @@ def save(fig, out):
 
 
 # the subcommands that print Markdown (and write it to --out), with no matplotlib
-TABLES = ("table", "runs")
+TABLES = ("table", "runs", "exit-table")
 
 
 def main(argv):
-    """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for table and runs, its
+    """Runs a subcommand; returns its matplotlib Figure (saved to --out) or, for the TABLES, its
     Markdown."""
     parser = errors.ArgumentParser(prog="python -m scripts.plot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -428,11 +491,16 @@ def main(argv):
              "grads": "gradient norms of the LM head and the 5th layer's FFN and attention (Fig. 8)",
              "core": "CORE during training (Fig. 9)",
              "exit": "val bpb against loops per token: fixed K and the exit rule (eval.py --modes=bpb,exit)",
+             "exit-table": "the fewest loops per token within 0.1% and 1% of the best fixed-K bpb, per exit "
+                           "rule, Markdown (eval.py --modes=bpb,exit)",
              "depth": "a reasoning task's accuracy against K and difficulty (eval.py --modes=tasks)",
+             "task-exit": "a reasoning task's mean loops per answer against difficulty, per exit rule and "
+                          "threshold (eval.py --modes=tasks --exit_rules=...)",
              "table": "eval.json results in the paper's Table 1 layout, Markdown (Tables 1, 2)",
              "runs": "a Markdown row per run below the folders: variant, K, dataset, last step, val bpb"}
     for command, text in helps.items():
-        p = commands.add_parser(command, help=text, description=text)
+        # argparse formats a help with %: a percent sign is written %%
+        p = commands.add_parser(command, help=text.replace("%", "%%"), description=text)
         if command == "runs":
             p.add_argument("runs", nargs="+", metavar="folder", help="folders holding runs (out_dirs) at any depth")
         else:
@@ -445,8 +513,9 @@ def main(argv):
     commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
                                            "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
-    commands.choices["exit"].add_argument("--label", help="draw the results eval.py kept apart under this "
-                                          "label (e.g. bpb_tokens=32768) instead of the default ones")
+    for command in ("exit", "exit-table"):
+        commands.choices[command].add_argument("--label", help="the results eval.py kept apart under this "
+                                               "label (e.g. bpb_tokens=32768) instead of the default ones")
     commands.choices["depth"].add_argument("--loops", nargs="+", type=int, default=[], help="the Ks whose accuracy by "
                                            "difficulty is drawn (default: every K evaluated)")
     for command in ("diag", "grads"):
@@ -472,6 +541,8 @@ def main(argv):
     if args.command in TABLES:
         if args.command == "runs":
             md = runs_table(args.runs)
+        elif args.command == "exit-table":
+            md = exit_table(args.runs, args.labels or [default_label(p) for p in args.runs], args.label)
         else:
             md = table(args.runs, args.labels or [None] * len(args.runs), args.paper)
         if args.out:
@@ -486,6 +557,8 @@ def main(argv):
         fig = exit_curves(args.runs, labels, args.label)
     elif args.command == "depth":
         fig = depth_curves(args.runs, labels, args.loops)
+    elif args.command == "task-exit":
+        fig = task_exit_curves(args.runs, labels)
     else:
         fig = curves(args.command, args.runs, labels, getattr(args, "loops", ()), getattr(args, "clipped", False))
     save(fig, args.out)

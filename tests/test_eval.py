@@ -927,7 +927,8 @@ def test_settings_parse_modes_loops_and_thresholds_and_name_bad_values(tmp_path)
     bad = {"--modes=bpb,ppl": "--modes='bpb,ppl': expected a comma-separated subset of "
                               "bpb,wiki,core,sample,exit,tasks",
            "--loops=1,0": "--loops='1,0': expected comma-separated integers >= 1",
-           "--exit_thresholds=0.1": "--exit_thresholds='0.1': the exit mode needs, and only it takes",
+           "--modes=exit": "--exit_thresholds='': the exit mode needs comma-separated thresholds >= 0",
+           "--exit_thresholds=0.1": "--exit_thresholds='0.1' is read by the exit and tasks modes, not by",
            "--batch_size=0": "--batch_size=0: expected a positive integer"}
     for arg, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -946,7 +947,8 @@ OFF_DEFAULT = {"batch_size": 4, "bpb_tokens": 512, "protocol_ranks": 2, "protoco
                "data_dir": ".", "wiki_path": __file__, "wiki_url": "http://x", "bundle_dir": "x",
                "bundle_url": "http://x", "max_per_task": 5, "sample_tokens": 4, "prompt": "Once|Twice",
                "temperature": 0.5, "seed": 7,
-               "cache_slots": 1, "draft_loops": 1, "draft_len": 2, "task_items": 30}
+               "cache_slots": 1, "draft_loops": 1, "draft_len": 2, "task_items": 30,
+               "exit_rules": "kl,argmax", "exit_thresholds": "0.1", "argmax_counts": "2"}
 
 
 def test_every_setting_a_chosen_mode_does_not_read_is_refused():
@@ -955,7 +957,9 @@ def test_every_setting_a_chosen_mode_does_not_read_is_refused():
     assert OFF_DEFAULT.keys() == eval_settings.READ_BY.keys()
     # what each mode needs beside: exit its thresholds; seed a temperature, draft_len a draft
     needs = {"exit": ["--exit_thresholds=0.1"]}
-    beside = {"seed": ["--temperature=0.5"], "draft_len": ["--draft_loops=1"]}
+    beside = {"seed": ["--temperature=0.5"], "draft_len": ["--draft_loops=1"],
+              "exit_rules": ["--exit_thresholds=0.1"],
+              "argmax_counts": ["--exit_rules=kl,argmax", "--exit_thresholds=0.1"]}
     for key, readers in eval_settings.READ_BY.items():
         given = f"--{key}={OFF_DEFAULT[key]}"
         for mode in modes.PLANS:
@@ -1023,7 +1027,8 @@ def test_the_tasks_mode_on_a_text_run_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------- main's plan-then-run
 # eval.py's metrics as its main hands them to the modes
 METRICS = modes.Metrics(sweep=ev.loop_losses, bpb=ev.evaluate_bpb, exit=ev.evaluate_exit, wiki=ev.evaluate_ppl,
-                        core=ev.evaluate_core, tasks=ev.evaluate_tasks, byte_counts=ev.BYTE_COUNTS)
+                        core=ev.evaluate_core, tasks=ev.evaluate_tasks, task_exit=ev.evaluate_task_exit,
+                        byte_counts=ev.BYTE_COUNTS)
 
 
 def test_the_support_package_never_imports_eval_py():
@@ -1057,7 +1062,7 @@ def test_each_mode_runs_the_metric_eval_py_hands_it(tmp_path):
     def bpb(model, batches, tables, loops, progress):
         calls.append(({count: table.tolist() for count, table in tables.items()}, loops))
         return {"authors": {K: K / 10 for K in loops}, "utf8": {K: K / 100 for K in loops}}, 0
-    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], [], METRICS._replace(bpb=bpb))
+    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], {}, METRICS._replace(bpb=bpb))
     by_K, measured = modes.bpb_mode(settings, job).run()
     assert by_K == {1: {"val_bpb": 0.1, "val_bpb_utf8": 0.01}, 2: {"val_bpb": 0.2, "val_bpb_utf8": 0.02}}
     tables = {count: tok.token_bytes(count).tolist() for count in ("authors", "utf8")}
@@ -1347,7 +1352,7 @@ def test_the_estimate_is_each_modes_forwards_times_the_calls_of_its_kind_timed(t
     settings = read("--modes=bpb,wiki,sample,exit", "--exit_thresholds=0.1,0.01", "--bpb_tokens=512",
                     f"--val_files={tmp_path / 'val.parquet'}", checkpoint=str(step))
     model, meta = checkpoint.load_model(str(step), "cpu")
-    job = modes.Job(settings, Recorder(model.eval()), meta, runtime.setup("cpu"), [1, 2], [0.1, 0.01], METRICS)
+    job = modes.Job(settings, Recorder(model.eval()), meta, runtime.setup("cpu"), [1, 2], {"kl": [0.1, 0.01]}, METRICS)
     modes.validation(settings, job)
     # the sweep's calls, the decoding steps' (16 a call: 17 tokens after an 8-token prompt), the exit rule's
     clock = iter([100.0, 1.0, 2.0, 3.0, 4.0, 5.0] + [100.0, 16.0, 32.0, 16.0, 32.0, 16.0]
@@ -1385,7 +1390,7 @@ def test_the_sample_plan_counts_the_tokens_each_prompt_leaves_room_for(tmp_path)
     model, meta = checkpoint.load_model(str(step), "cpu")
     prompts = ["Hello", "Once upon a time, " * 2]
     settings = read("--modes=sample", "--loops=1,2", "--sample_tokens=40", "--prompt=" + "|".join(prompts))
-    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], [], METRICS)
+    job = modes.Job(settings, model.eval(), meta, runtime.setup("cpu"), [1, 2], {}, METRICS)
     room = [min(40, 64 - 1 - len(tok.encode(p))) for p in prompts]
     assert room[0] == 40 and room[1] < 40
     assert modes.sample_mode(settings, job).forwards == (1 + 2) * sum(room) / 2

@@ -31,6 +31,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from conftest import run_module  # noqa: E402
 import data  # noqa: E402
 from flt import checkpoint  # noqa: E402
+from flt.decoding import ExitGate  # noqa: E402
+from flt.exit_gate import write_gate  # noqa: E402
 from model import VARIANTS, GPTConfig  # noqa: E402
 from scripts import export_hf  # noqa: E402
 from test_eval import one_thread  # noqa: E402, F401 (test_eval's autouse fixture: one thread)
@@ -162,6 +164,37 @@ def test_a_default_K_chosen_at_export_and_the_exit_rule(run, loaded, tmp_path):
         assert torch.equal(model(idx, exit_threshold=0.05).logits, gpt(idx, loops=5, exit_threshold=0.05))
         loss = model(idx, labels=idx).loss  # transformers' convention: the labels are the inputs, shifted inside
         assert torch.allclose(loss, gpt(idx[:, :-1], idx[:, 1:], loops=5), atol=1e-6, rtol=0)
+
+
+def test_the_learned_exit_gate_goes_with_the_export(run, tmp_path):
+    """A run with an exit gate (flt/exit_gate.py) exports it: config.json's exit_gate, its weights under
+    model.exit_gate.; read_export and transformers rebuild it, and exit_rule="gate" gives the run's logits."""
+    gated = str(tmp_path / "run")
+    shutil.copytree(run, gated)
+    step_dir = checkpoint.list_checkpoints(gated)[-1][1]
+    torch.manual_seed(0)
+    gate = ExitGate(checkpoint.load_model(gated, log=quiet)[0].config.n_embd, hidden=8, margin=0.02)
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.normal_(0, 0.5)
+    write_gate(step_dir, gate, {"steps": 0}, log=quiet)
+    gpt = checkpoint.load_model(gated, log=quiet)[0].eval()
+    folder = export_hf.export(gated, str(tmp_path / "hf"), log=quiet)
+    assert json.load(open(os.path.join(folder, "config.json")))["exit_gate"] == {"hidden": 8, "margin": 0.02}
+    ours = checkpoint.read_export(folder)[0].eval()
+    assert ours.exit_gate.state_dict().keys() == gate.state_dict().keys()
+    assert all(torch.equal(ours.exit_gate.state_dict()[k], v) for k, v in gate.state_dict().items())
+    model = hf_model(folder)
+    idx = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = gpt(idx, exit_threshold=0.5, exit_rule="gate")
+        exits = gpt(idx, exit_threshold=0.5, exit_rule="gate", return_loops=True)[1].exit_loops
+        assert (exits < 3).any() and (exits == 3).any()  # the gate decides: some exit early, some do not
+        assert torch.equal(ours(idx, exit_threshold=0.5, exit_rule="gate"), logits)
+        assert torch.equal(model(idx, exit_threshold=0.5, exit_rule="gate").logits, logits)
+    # a run without a gate exports none
+    assert "exit_gate" not in json.load(open(os.path.join(export_hf.export(run, str(tmp_path / "plain"), log=quiet),
+                                                          "config.json")))
 
 
 # ----------------------------------------------------------------------------- generate

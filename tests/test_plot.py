@@ -370,3 +370,57 @@ def test_labels_must_match_inputs(tmp_path):
     log = write_log(tmp_path / "run" / "log.jsonl", [1.0])
     with pytest.raises(ValueError, match="--labels: 2 given for 1 runs"):  # before matplotlib is needed
         plot.main(["diag", str(log), "--labels", "a", "b"])
+
+
+def test_exit_draws_each_rule_and_exit_table_prints_the_fewest_loops(tmp_path, capsys):
+    """exit: fixed K dashed, then each exit rule's curve in the run's colour, a style per rule;
+    exit-table: report.exit_rows per run under the run's name, a rerun replacing its own file."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "settings.json").write_text(json.dumps({"variant": "FLT", "loops": 4}))
+    kl = [{"threshold": 0.1, "val_bpb": 1.05, "mean_loops": 2.0},
+          {"threshold": 0.0, "val_bpb": 1.0, "mean_loops": 4.0}]
+    argmax = [{"threshold": 2, "val_bpb": 1.005, "mean_loops": 3.0},
+              {"threshold": 1, "val_bpb": 1.2, "mean_loops": 1.5}]
+    results = {"2": {"val_bpb": 1.1}, "4": {"val_bpb": 1.0, "exit": kl,
+                                           "exit_rules": {"argmax": argmax}}}
+    (run / "step_000010").mkdir()
+    (run / "step_000010" / "eval.json").write_text(json.dumps({"results": results}))
+    fig = plot.main(["exit", str(run), "-o", str(tmp_path / "exit.png")])
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == [
+        "FLT K=4: K loops for every token", "FLT K=4: kl exit rule (mean loops per token)",
+        "FLT K=4: argmax exit rule (mean loops per token)"]
+    assert [line.get_linestyle() for line in lines] == ["--", "-", "-"]
+    assert [line.get_marker() for line in lines] == ["o", "s", "D"]
+    assert len({line.get_color() for line in lines}) == 1
+    # argmax's points in the order of their loops
+    assert list(lines[2].get_xdata()) == [1.5, 3.0] and list(lines[2].get_ydata()) == [1.2, 1.005]
+    out = tmp_path / "exit.md"
+    md = plot.main(["exit-table", str(run), "-o", str(out)])
+    assert md == report.grid(["run", *report.EXIT_HEADER],
+                             [["FLT K=4", *row] for row in report.exit_rows(read_results(run))])
+    assert "| FLT K=4 | argmax, K <= 4 | 1.0000 (K=4) | - | 3.00 |" in md
+    assert plot.main(["exit-table", str(run), "-o", str(out)]) == md == out.read_text()
+
+
+def read_results(run):
+    return {int(K): r for K, r in json.loads((run / "step_000010" / "eval.json").read_text())[
+        "results"].items()}
+
+
+def test_task_exit_draws_loops_per_answer_against_difficulty(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    (run / "step_000010").mkdir(parents=True)
+    point = {"threshold": 0.1, "acc": 0.5, "mean_loops": 2.0, "acc_by_difficulty": {"1": 1.0, "2": 0.0},
+             "loops_by_difficulty": {"1": 1.5, "2": 2.5}}
+    results = {"4": {"task_exit": {"kl": [point], "argmax": [point | {"threshold": 2}]}}}
+    (run / "step_000010" / "eval.json").write_text(json.dumps({"results": results}))
+    fig = plot.main(["task-exit", str(run), "--labels", "r", "-o", str(tmp_path / "t.png")])
+    assert lines_of(fig.axes[0]) == {"kl 0.1, K <= 4: accuracy 0.50": ([1, 2], [1.5, 2.5]),
+                                     "argmax 2, K <= 4: accuracy 0.50": ([1, 2], [1.5, 2.5])}
+    (run / "step_000010" / "eval.json").write_text(json.dumps({"results": {"4": {"val_bpb": 1.0}}}))
+    with pytest.raises(ValueError, match="no task_exit in its eval.json; run eval.py --modes=tasks"):
+        plot.main(["task-exit", str(run), "-o", str(tmp_path / "t.png")])

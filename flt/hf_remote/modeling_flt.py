@@ -1,6 +1,7 @@
 """A thin transformers wrapper around model.py's GPT (copied beside this file): AutoModelForCausalLM with
 trust_remote_code=True. forward and generate take `loops` (K; None = config.loops), `exit_threshold`
-(the KL exit rule) and `cache_slots` (the KV cache's loop slots per layer, 1 to K; None = K, exact);
+and `exit_rule` (decoding.py's EXIT_RULES; "gate": an export of a run with a learned exit gate), and
+`cache_slots` (the KV cache's loop slots per layer, 1 to K; None = K, exact);
 generate decodes with model.py's own KVCache, left-padded prompts included (attention_mask). The weights
 are GPT's, under `model.`."""
 import torch
@@ -9,6 +10,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_flt import FLTConfig
+from .decoding import ExitGate
 from .model import GPT, KVCache, rotary_tables
 
 
@@ -21,6 +23,11 @@ class FLTForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
         self.model = GPT(config.gpt_config())
+        # the learned exit gate (config.json's exit_gate: its hidden size and margin), its weights
+        # under model.exit_gate.
+        gate = getattr(config, "exit_gate", None)
+        if gate:
+            self.model.exit_gate = ExitGate(config.n_embd, **gate)
         self.post_init()
 
     @classmethod
@@ -42,7 +49,7 @@ class FLTForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.lm_head
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, loops=None, exit_threshold=None,
-                labels=None, return_dict=True, cache_slots=None, **kwargs):
+                labels=None, return_dict=True, cache_slots=None, exit_rule="kl", **kwargs):
         """Logits (B, T, vocab_size) of the last of K = `loops` loops (None: config.loops). With use_cache
         (generate) the first call makes the KVCache, from attention_mask (0 = left padding) and cache_slots,
         and returns it as `cache`; the later calls append to it. A padded call without a cache gets one of
@@ -53,7 +60,8 @@ class FLTForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is None and (use_cache or padded):
             cache = KVCache(B, self.model.loop_count(K), self.model.config, capacity=None if use_cache else T,
                             attention_mask=attention_mask, cache_slots=cache_slots)
-        logits = self.model(input_ids, loops=K, kv_cache=cache, exit_threshold=exit_threshold)
+        logits = self.model(input_ids, loops=K, kv_cache=cache, exit_threshold=exit_threshold,
+                            exit_rule=exit_rule)
         loss = None
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here; -100 ignored
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
