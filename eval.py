@@ -443,8 +443,8 @@ def main(argv):
 
     # the table of what the file holds now: this run's entries and those of earlier runs
     if measured:
-        print0(f"\n{json_path} now holds:\n{report.summary(held, loops_list)}written to "
-               f"{json_path} and {md_path}")
+        print0(f"\n{json_path} now holds:\n{report.summary(held)}written to {json_path} and "
+               f"{md_path}")
     # all eval.json holds, to the run's W&B (flt/tracking.py)
     if settings.wandb and rt.rank == 0 and measured:
         tracking.log_results(os.path.dirname(meta["path"]), json_path, meta.get("step"))

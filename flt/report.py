@@ -107,7 +107,7 @@ def summary(results, loops=None):
     """What eval.py prints of an eval.json's results: the table (none without a row), then a line
     naming the entries it has no column for (samples, the exit curve, val_bpb_utf8, ...) and the Ks
     that hold them, then for each label with exit curves the exit table against fixed K at `loops`
-    (exit_table)."""
+    (exit_table; None: every K the file holds, from this call or an earlier one)."""
     shown = {key for _, key, *_ in COLUMNS} | {"tasks"}
     other = {}
     for K, r in results.items():
