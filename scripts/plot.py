@@ -293,9 +293,9 @@ def exit_table(evals, labels, label=None):
 
 def task_exit_curves(evals, labels):
     """A reasoning task's depth per answer (eval.py --modes=tasks with exit settings: task_exit):
-    a panel per run, the mean loops an answer ran against its difficulty, a line per rule and
-    threshold (a marker per rule, RULE_STYLES; lighter the larger the threshold), its accuracy in
-    the legend."""
+    a row of panels per run, a panel per rule, the mean loops an answer ran against its
+    difficulty, a line per threshold (lighter the larger the threshold), its accuracy and mean
+    loops in the legend."""
     plt = pyplot()
     runs = []
     for path, name in zip(evals, labels):
@@ -305,22 +305,29 @@ def task_exit_curves(evals, labels):
             raise ValueError(f"{path}: no task_exit in its eval.json; run eval.py --modes=tasks "
                              "--exit_rules=... --exit_thresholds=...")
         runs.append((name, found))
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), squeeze=False)
+    # the rules any run holds, in EXIT_RULES' order: a column each
+    held = {rule for _, found in runs for *_, by_rule in found for rule in by_rule}
+    rules = [rule for rule in RULE_STYLES if rule in held]
+    fig, axes = plt.subplots(len(runs), len(rules), figsize=(4.2 * len(rules), 3.8 * len(runs)),
+                             squeeze=False, sharey=True)
     shades = plt.get_cmap("viridis")
-    for ax, (name, found) in zip(axes.flat, runs):
-        for K, key, by_rule in found:
-            tag = key.partition("[")[2].removesuffix("]")
-            for rule, points in by_rule.items():
-                ordered = sorted(points, key=lambda p: p["threshold"])
+    for row, (name, found) in zip(axes, runs):
+        for ax, rule in zip(row, rules):
+            for K, key, by_rule in found:
+                tag = key.partition("[")[2].removesuffix("]")
+                ordered = sorted(by_rule.get(rule, []), key=lambda p: p["threshold"])
                 for j, p in enumerate(ordered):
                     levels = p["loops_by_difficulty"]
                     ax.plot([int(d) for d in levels], list(levels.values()), RULE_STYLES[rule],
-                            color=shades(j / max(1, len(ordered) - 1)),
-                            label=f"{rule} {p['threshold']:g}, K <= {K}{f' [{tag}]' if tag else ''}: "
-                                  f"accuracy {p['acc']:.2f}")
-        ax.set(title=name, xlabel="difficulty (prefix length or hops)", ylabel="mean loops per answer")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+                            color=shades(0.9 * j / max(1, len(ordered) - 1)),
+                            label=f"{p['threshold']:g}{f' [{tag}]' if tag else ''}: accuracy "
+                                  f"{p['acc']:.3f}, {p['mean_loops']:.2f} loops")
+                ax.set_title(f"{name}: {rule}, K <= {K}", fontsize=10)
+            ax.set(xlabel="difficulty (prefix length or hops)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6.5, loc="upper left", title="threshold", title_fontsize=7)
+        row[0].set(ylabel="mean loops per answer")
+    fig.tight_layout()
     return fig
 
 

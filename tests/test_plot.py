@@ -419,8 +419,10 @@ def test_task_exit_draws_loops_per_answer_against_difficulty(tmp_path):
     results = {"4": {"task_exit": {"kl": [point], "argmax": [point | {"threshold": 2}]}}}
     (run / "step_000010" / "eval.json").write_text(json.dumps({"results": results}))
     fig = plot.main(["task-exit", str(run), "--labels", "r", "-o", str(tmp_path / "t.png")])
-    assert lines_of(fig.axes[0]) == {"kl 0.1, K <= 4: accuracy 0.50": ([1, 2], [1.5, 2.5]),
-                                     "argmax 2, K <= 4: accuracy 0.50": ([1, 2], [1.5, 2.5])}
+    # a panel per rule, in EXIT_RULES' order, a line per threshold
+    assert [ax.get_title() for ax in fig.axes] == ["r: kl, K <= 4", "r: argmax, K <= 4"]
+    assert lines_of(fig.axes[0]) == {"0.1: accuracy 0.500, 2.00 loops": ([1, 2], [1.5, 2.5])}
+    assert lines_of(fig.axes[1]) == {"2: accuracy 0.500, 2.00 loops": ([1, 2], [1.5, 2.5])}
     (run / "step_000010" / "eval.json").write_text(json.dumps({"results": {"4": {"val_bpb": 1.0}}}))
     with pytest.raises(ValueError, match="no task_exit in its eval.json; run eval.py --modes=tasks"):
         plot.main(["task-exit", str(run), "-o", str(tmp_path / "t.png")])
