@@ -257,20 +257,24 @@ def exit_curves(evals, labels, label=None):
     for i, (path, name) in enumerate(zip(evals, labels)):
         results = read_eval(path)
         fixed = {K: r[bpb] for K, r in results.items() if bpb in r}
+        # (rule, K_max): a curve each, as a rule at another cap is another curve
         rules = {}
-        for r in results.values():
+        for K, r in results.items():
             for rule, points in report.exit_curves(report.by_label(r).get(label or "", {})).items():
-                rules.setdefault(rule, []).extend((p["mean_loops"], p["val_bpb"]) for p in points)
+                rules[rule, int(K)] = [(p["mean_loops"], p["val_bpb"]) for p in points]
         if not rules:
             kept = sorted({k for r in results.values() for k in r if k.startswith(("exit[", "exit_rules["))})
             exit = f"exit[{label}]" if label else "exit"
             raise ValueError(f"{path}: no {exit} curve in its eval.json; run eval.py --modes=bpb,exit "
                              f"--exit_thresholds=..." + (f" (it holds {', '.join(kept)}: --label)" if kept else ""))
         ax.plot(list(fixed), list(fixed.values()), "o--", color=f"C{i}", label=f"{name}: K loops for every token")
-        for rule, curve in rules.items():
-            what = "exit rule" if list(rules) == ["kl"] else f"{rule} exit rule"
+        caps = {K for _, K in rules}
+        for (rule, K), curve in rules.items():
+            what = "exit rule" if {r for r, _ in rules} == {"kl"} else f"{rule} exit rule"
+            cap = f", K <= {K}" if len(caps) > 1 else ""
             ax.plot(*zip(*sorted(curve)), RULE_STYLES[rule], color=f"C{i}",
-                    label=f"{name}: {what} (mean loops per token)")
+                    alpha=1.0 if K == max(caps) else 0.5,
+                    label=f"{name}: {what}{cap} (mean loops per token)")
     ax.set(title="Loops per token against val bpb", xlabel="loops per token", ylabel="val bpb")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

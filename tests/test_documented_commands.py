@@ -193,11 +193,13 @@ def check_plot(args, processes):
     """scripts.plot's main, every figure and table stood in for (a table by an empty one): its
     argument checks alone."""
     from scripts import plot
-    work = ("sweep", "exit_curves", "depth_curves", "curves", "save", "default_label")
+    work = ("sweep", "exit_curves", "depth_curves", "task_exit_curves", "curves", "save",
+            "default_label")
     with contextlib.ExitStack() as stack:
         for name in work:
             stack.enter_context(patch.object(plot, name, lambda *a, **k: None))
-        stack.enter_context(patch.object(plot, "table", lambda *a, **k: ""))
+        for name in ("table", "exit_table"):
+            stack.enter_context(patch.object(plot, name, lambda *a, **k: ""))
         plot.main(args)
 
 
@@ -236,6 +238,16 @@ class Checked(Exception):
     """main() got past its checks."""
 
 
+def check_exit_gate(args, processes):
+    """flt.exit_gate's main up to where it sets up the machine: its settings checks."""
+    from flt import exit_gate
+
+    def stop(device):
+        raise Checked
+    with patch.object(runtime, "setup", stop), pytest.raises(Checked):
+        exit_gate.main(args)
+
+
 def check_gpu_check(args, processes):
     """scripts.gpu_check as python -m runs it, up to where it sets up the machine: its settings
     and main's checks; a GPU taken as given."""
@@ -261,7 +273,8 @@ def check_torchrun_check(args, processes):
 CHECKS = {"train.py": check_train, "eval.py": check_eval, "scripts.plot": check_plot,
           "scripts.lm_eval_flt": check_lm_eval, "scripts.export_hf": check_export,
           "scripts.import_authors": check_import, "scripts.bench": check_bench,
-          "scripts.gpu_check": check_gpu_check, "scripts.torchrun_check": check_torchrun_check}
+          "scripts.gpu_check": check_gpu_check, "scripts.torchrun_check": check_torchrun_check,
+          "flt.exit_gate": check_exit_gate}
 
 
 def check(argv):

@@ -403,6 +403,15 @@ def test_exit_draws_each_rule_and_exit_table_prints_the_fewest_loops(tmp_path, c
                              [["FLT K=4", *row] for row in report.exit_rows(read_results(run))])
     assert "| FLT K=4 | argmax, K <= 4 | 1.0000 (K=4) | - | 3.00 |" in md
     assert plot.main(["exit-table", str(run), "-o", str(out)]) == md == out.read_text()
+    # a rule under two caps K_max: two curves, named by their cap, the lower cap lighter
+    results["2"]["exit"] = [{"threshold": 0.1, "val_bpb": 1.1, "mean_loops": 1.5}]
+    (run / "step_000010" / "eval.json").write_text(json.dumps({"results": results}))
+    lines = plot.main(["exit", str(run), "-o", str(tmp_path / "exit.png")]).axes[0].get_lines()
+    assert [(line.get_label(), line.get_alpha()) for line in lines[1:]] == [
+        ("FLT K=4: kl exit rule, K <= 2 (mean loops per token)", 0.5),
+        ("FLT K=4: kl exit rule, K <= 4 (mean loops per token)", 1.0),
+        ("FLT K=4: argmax exit rule, K <= 4 (mean loops per token)", 1.0)]
+    assert list(lines[1].get_xdata()) == [1.5] and list(lines[2].get_xdata()) == [2.0, 4.0]
 
 
 def read_results(run):
