@@ -22,7 +22,7 @@ def test_tokenizer_threads_share_the_cpus_among_the_ranks_of_a_node(cpus, local_
 
 THREADS = """
 import os, data
-texts = ["some words to split " * 50] * 4000
+texts = ["some words to split " * 50] * 400
 before = len(os.listdir("/proc/self/task"))
 data.Tokenizer(data.load_tokenizer(os.environ["TOK"]).tok).encode_batch(texts)
 print(os.environ["RAYON_NUM_THREADS"], len(os.listdir("/proc/self/task")) - before)
