@@ -52,7 +52,7 @@ class GPTConfig:
     the CPU BPE: 4096), padded to a multiple of 64. n_layer: L unique blocks; n_kv_head <
     n_head: GQA. loops: K, which forward(loops=...) overrides per call. attn: full or mla
     (latent rank kv_rank). window_pattern: L = full causal, S = a window of sequence_len // 4,
-    tiled over the layers. loss_all_loops: train on the mean loss of every loop, not only the
+    tiled, last layer full. loss_all_loops: train on the mean loss of every loop, not only the
     last. checkpoint_loops: recompute each loop in backward (memory ~ one loop)."""
     sequence_len: int = 1024
     vocab_size: int = 151669

@@ -1,7 +1,7 @@
 """Drafting with fewer loops (self-speculative decoding, docs/beyond.md), and the choice of a token
 that model.py's generate shares with it.
 
-Why it works: loop t reads only loops 1..t-1 and the cache's slots up to t, so the first K_d loops
+Why it works: loop t reads only loops 1..t-1 and the cache's slot of loop t, so the first K_d loops
 of a K-loop forward are a K_d-loop forward, keys and values included. A round drafts draft_len
 tokens, each with loops 1..K_d of one token, keeping its state h(K_d); one forward then runs loops
 K_d+1..K over all of them, continued from those states, and keeps the drafts the K-loop model
