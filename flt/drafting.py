@@ -109,7 +109,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     # moves pos past them: the n draft steps leave pos = start + n (their loops 1..K_d written),
     # the verification is rewound to start and writes loops K_d+1..K of the same n tokens, and
     # the round ends rewound to start + the tokens it emitted. Entries past pos are stale drafts,
-    # overwritten before any query reads them (a query sees keys up to its own position).
+    # overwritten before any query reads them: KVCache.update returns the keys before pos + n
+    # only, and StaticCache's causal mask hides those past each query.
     while done < max_new_tokens:
         # the invariant: the prompt's P tokens and the `done` emitted ones but the last (`token`,
         # fed first this round) are in the cache, so start = P + done - 1
