@@ -314,9 +314,8 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): gradients averaged over the ranks; one all-reduce also sums the
-    # norms' shares, the loss, the guard's 0-d flags and each rank's largest residual norm (finite
-    # iff all are: a check; the logged resid is rank 0's)
+    # The reduction (optim.py): gradients averaged; one all-reduce also sums the norms' shares, the
+    # loss, the guard's flags and each rank's largest residual norm (a finiteness check)
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
