@@ -388,6 +388,7 @@ class ExitRule:
         if threshold is not None:
             check_exit(rule, threshold, getattr(model, "exit_gate", None))
             self.done = torch.zeros_like(idx, dtype=torch.bool)
+            self.same = torch.zeros_like(idx)
             self.exit_loops = torch.full(idx.shape, kv_cache.loops, device=idx.device)
 
     def settled(self, h):
@@ -407,7 +408,7 @@ class ExitRule:
             return None
         if self.rule == "argmax":
             same = self.logp.argmax(-1) == logp_prev.argmax(-1)
-            self.same = torch.where(same, 1 if self.same is None else self.same + 1, 0)
+            self.same = torch.where(same, self.same + 1, 0)
             return self.same >= self.threshold
         # KL(p(t-1) || p(t)), clamped: 0 never exits on rounding
         kl = F.kl_div(self.logp, logp_prev, log_target=True, reduction="none").sum(-1)
