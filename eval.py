@@ -48,12 +48,10 @@ loops = "1,3,6,9,12"            # loop budgets K (bpb, wiki, core: all from one 
 device = ""                     # cuda | cuda:N | cpu | mps; empty = cuda if there is one, else cpu
 batch_size = 8                  # sequences per forward here: speed only, never which are scored
 bpb_tokens = 40 * 2**19         # validation tokens for bpb: the authors' eval.sh count
-protocol_ranks = 4              # the authors' eval.sh ran 4 GPUs at device batch 4:
-                                # these two fix which
-protocol_batch = 4              # tokens bpb and WikiText score
-                                # (chunks of batch * seq_len + 1 per rank)
-val_files = ""                  # comma-separated parquet shards;
-                                # empty = the checkpoint's validation shard
+# the authors' eval.sh ran 4 GPUs at device batch 4: these fix which tokens bpb and WikiText score
+protocol_ranks = 4
+protocol_batch = 4              # (chunks of protocol_batch * seq_len + 1 tokens per rank)
+val_files = ""                  # parquet files, comma-separated; empty = the checkpoint's val shard
 data_dir = ""                   # empty = the checkpoint's data_dir; downloads land here
 wiki_path = ""                  # wikitext-2-v1 test: parquet (text column) or wiki.test.tokens;
                                 # empty = wiki_url
@@ -79,7 +77,9 @@ exit_thresholds = ""            # exit mode: comma-separated thresholds of its r
 argmax_counts = "1,2,3"         # exit mode: the argmax rule's thresholds (loops the top-1 is kept)
 task_items = 2048               # tasks mode: the held-out items scored (the test set's first N)
 
-BYTE_COUNTS = ("authors", "utf8")  # a token's two byte counts: val_bpb (the paper's), val_bpb_utf8
+# a token's bytes (data.py: Tokenizer.token_bytes; 0 for special tokens): "authors" (val_bpb, the
+# paper's) is len(decode([id]).encode()), 3 per U+FFFD of a split character; "utf8" its true bytes
+BYTE_COUNTS = ("authors", "utf8")
 
 
 # ----------------------------------------------------------------------------- the budget sweep
@@ -124,9 +124,9 @@ def byte_counts(token_bytes, y):
 
 
 def evaluate_bpb(model, batches, tables, loops_list, progress=None):
-    """({count: {K: bits per byte}}, targets scored) over (x, y) batches, for each byte table of
-    `tables` ({name: (vocab,) bytes of each id}), as nanochat's evaluate_bpb: the targets' losses
-    in nats / (ln 2 * their bytes), targets of 0 bytes out of both sums. All-reduced: under
+    """({count: {K: bits per byte}}, targets scored) over (x, y) batches, for each table of
+    `tables` ({count: token_bytes(count)} of BYTE_COUNTS), as nanochat's evaluate_bpb: the targets'
+    losses in nats / (ln 2 * their bytes), targets of 0 bytes out of both sums. All-reduced: under
     torchrun each rank passes its own share."""
     device = next(model.parameters()).device
     f64 = dict(dtype=torch.float64, device=device)

@@ -103,9 +103,9 @@ class GPTConfig:
 
 
 def norm(x):
-    # Parameter-free RMSNorm as the authors' nanochat/gpt.py calls it: fp32 math and eps whatever
-    # x's dtype (CUDA autocast: fp32 out), so norm(e) of a bf16 embedding is not shrunk by bf16's
-    # eps (0.0078).
+    # Parameter-free RMSNorm as the authors' nanochat/gpt.py calls it. torch computes it in fp32,
+    # with fp32's eps, whatever x's dtype (tests/test_gpu_path.py writes it out), so norm(e) of a
+    # bf16 embedding is not shrunk by bf16's eps (0.0078).
     return F.rms_norm(x, (x.size(-1),))
 
 

@@ -315,11 +315,11 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged; one all-reduce also sums the norms' shares, the
-    # loss, the guard's flags and each rank's largest residual norm (a finiteness check)
+    # loss, the guard's 0/1 flags (preempted, interrupted, save_due), each rank's largest loop norm
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
-    # The one host read (a GPU's one wait; tests/test_host_syncs.py counts them): these tensors
+    # The one host read (tests/test_host_syncs.py counts it): one .tolist() of these, floats by name
     numbers = runtime.to_host(grad_norm=grad_norm, **sums, **watch.tensors(sq_norms, looped))
     train_loss = numbers["loss"] / world_size
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good

@@ -27,12 +27,16 @@ Each symbol is one character of a byte-level alphabet, and the vocabulary is a t
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
 
-A task run, end to end: train.py takes its batches from `Task.loader` (rows of `Task.rows`: y[i]
-is the answer at x[i] itself, not the next token) into the text's `model(x, y)`, whose
-cross-entropy compares the logits at position i with y[i], skipping -1; its validation bpb is
-that of the answers of `Task.batches` (per UTF-8 byte of their symbols). eval.py's tasks mode
-scores `Task.batches(..., difficulty=True)` with `evaluate_tasks`: the argmax at position i
-against y[i], by difficulty.
+A task run, end to end, with every call it makes outside this file:
+- training (train.py): `task_of(settings)` is the task; `Task.loader` stands where the text's
+  data.DataLoader would, yielding rows of `Task.rows` (y[i] is the answer at x[i] itself, not the
+  next token); the text's `model(x, y)` takes the loss, model.py's GPT.loss: the cross-entropy of
+  the logits at position i against y[i], -1 skipped, so one loss serves text and tasks alike;
+- validation (train.py's validate): eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by
+  `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
+- scoring (eval.py's tasks mode; flt/modes.py: tasks_mode): eval.py's `evaluate_tasks` on
+  `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
+  at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer).
 """
 import hashlib
 import itertools
