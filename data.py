@@ -67,10 +67,10 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self, count="authors"):
-        """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (what the
-        paper reports; their get_token_bytes): len(decode([id]).encode()), 0 for every added
-        token, so a split character counts 3 per U+FFFD (2 stray bytes: 6). "utf8": true bytes (in
-        byte-level BPE one per character of the token string), 0 for special tokens only."""
+        """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (the paper's;
+        their get_token_bytes): len(decode([id]).encode()), 0 for added tokens: 3 per U+FFFD of a
+        split character (its first 2 bytes: one, 3; its last 2: two, 6). "utf8": true bytes (one per
+        character of a byte-level token string), 0 for special tokens only."""
         if count not in ("authors", "utf8"):
             raise ValueError(f"token_bytes: count must be 'authors' or 'utf8', got {count!r}")
         added = self.tok.get_added_tokens_decoder()
@@ -170,8 +170,8 @@ def packed_chunks(documents, bos, chunk_len, skip=0):
 class DataLoader:
     """(x, y) batches of shape (B, T): one rank's documents cut by packed_chunks, as the authors'
     loader cuts them. A rank's documents: each file in turn, its row groups rank, rank +
-    world_size, ... (per file, as nanochat's dataloader.py). Row b's last target is row b+1's first
-    input; attention crosses a bos, as in the authors' nanochat/gpt.py (is_causal).
+    world_size, ... (per file, as nanochat's dataloader.py). Within a chunk, row b's last target is
+    row b+1's first input; attention crosses a bos, as in the authors' nanochat/gpt.py (is_causal).
     cycle=True (training): after its last row group the rank starts a new epoch, and prints so.
     cycle=False (evaluation): a final partial chunk of n >= 2 tokens comes once, x padded with bos
     and y with -1 (ignored targets), then StopIteration: no target twice, the tail not lost.

@@ -124,7 +124,7 @@ def byte_counts(token_bytes, y):
 
 
 def evaluate_bpb(model, batches, tables, loops_list, progress=None):
-    """({count: {K: bits per byte}}, targets scored) over (x, y) batches, for each table of
+    """({count: {K: bits per byte}}, targets y >= 0) over (x, y) batches, for each table of
     `tables` ({count: token_bytes(count)} of BYTE_COUNTS), as nanochat's evaluate_bpb: the targets'
     losses in nats / (ln 2 * their bytes), targets of 0 bytes out of both sums. All-reduced: under
     torchrun each rank passes its own share."""

@@ -162,9 +162,9 @@ if dry_run:
 settings["dtype"] = dtype
 tracker = tracking.Tracker(wandb_project, out_dir, settings) if master and wandb_project else None
 
-# The data and the tokenizer, on every rank before the process group exists (flt/inputs.py)
+# The data (its last shard: validation) and the tokenizer, before the process group (flt/inputs.py)
 shards = inputs.shards(settings, num_steps * total_batch_size)
-train_files, val_files = shards[:-1], shards[-1:]  # the last shard is the validation split
+train_files, val_files = shards[:-1], shards[-1:]
 tok = inputs.tokenizer(settings, train_files)
 bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
 if core_interval and rt.local_rank == 0:  # CORE's tasks, on each node's data_dir
@@ -314,12 +314,12 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): gradients averaged; one all-reduce also sums the norms' shares, the
-    # loss, the guard's 0/1 flags (preempted, interrupted, save_due), each rank's largest loop norm
+    # The reduction (optim.py): gradients averaged; one all-reduce sums norms' shares and to_sum:
+    # the loss, the last micro-batch's top loop norm, the guard's 0/1 flags: preempted, Ctrl-C, save
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
-    # The one host read (tests/test_host_syncs.py counts it): one .tolist() of these, floats by name
+    # The one host read (tests/test_host_syncs.py): a .tolist() of these and watch's logged norms
     numbers = runtime.to_host(grad_norm=grad_norm, **sums, **watch.tensors(sq_norms, looped))
     train_loss = numbers["loss"] / world_size
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good

@@ -1,5 +1,6 @@
 """Drafting with fewer loops (self-speculative decoding, docs/beyond.md), and the choice of a token
-that model.py's generate shares with it.
+that model.py's generate shares with it. `model.generate(idx, n, draft_loops=K_d, draft_len=...)`
+checks the settings (check_draft) and streams the tokens of draft_and_verify, the whole algorithm.
 
 Why it works: loop t reads only loops 1..t-1 and the cache's slot of loop t, so the first K_d loops
 of a K-loop forward are a K_d-loop forward, keys and values included. A round drafts draft_len

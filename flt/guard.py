@@ -68,10 +68,10 @@ class Guard:
 
     def stop_if_not_finite(self, step, loss, grad_norm, resid):
         """Stop every rank before the optimizer step if the loss, the gradient norm or resid (the
-        ranks' sum of their largest loop norm, a check value) is not finite: the parameters stay
-        those of a good step. Every rank
-        decides alike: the numbers are the all-reduced ones. An overflowed stream can give a
-        finite, useless loss, so the residual norm is checked too."""
+        ranks' sum of their last micro-batch's largest loop norm, a check value) is not finite: the
+        parameters stay those of a good step. Every rank decides alike: the numbers are the
+        all-reduced ones. An overflowed stream can give a finite, useless loss, so the residual
+        norm is checked too."""
         if not all(map(math.isfinite, (loss, grad_norm, resid))):
             self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
             self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "

@@ -59,8 +59,8 @@ class Metrics(NamedTuple):
 
 class Job:
     """What the modes of one eval.py run share: the model and the settings it was trained with,
-    this process (rt), the loop budgets, the exit rules' thresholds ({rule: thresholds},
-    eval_settings.exit_plan), eval.py's metrics (Metrics), the
+    this process (rt), the loop budgets (sorted: loops[-1] is the largest), the exit rules'
+    thresholds ({rule: thresholds}, eval_settings.exit_plan), eval.py's metrics (Metrics), the
     tokenizer saved with the weights, the numerics the run trained with (bf16 embedding and
     autocast, or fp32: runtime.precision), where downloads land, and the validation batches once
     built (validation)."""
@@ -290,6 +290,7 @@ def tasks_mode(settings, job):
     batches = task.batches(settings.task_items * task.item_len, settings.batch_size, job.rank,
                            job.world, difficulty=True)
 
+    # the largest budget (job.loops is sorted)
     K_max = job.loops[-1]
     n_exit = sum(map(len, job.exits.values())) * len(batches)
 
