@@ -319,7 +319,7 @@ while True:
     to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
-    # The one host read (tests/test_host_syncs.py): a .tolist() of these and watch's logged norms
+    # The one host read: one .tolist() of these and the logged norms (watch: modules' grads, loops)
     numbers = runtime.to_host(grad_norm=grad_norm, **sums, **watch.tensors(sq_norms, looped))
     train_loss = numbers["loss"] / world_size
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good
