@@ -1,5 +1,5 @@
 """
-The Fully Looped Transformer (Fu et al., 2026) and the other four variants of Table 1, in one file.
+The Fully Looped Transformer (Fu et al., 2026) and the four variants it is compared to, in one file.
 
 A looped transformer runs the same L blocks K times ("loops"): depth without new parameters.
 Plain looping (LT) is unstable: the residual stream grows with every loop and training collapses

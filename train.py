@@ -279,6 +279,7 @@ peak = planning.peak_flops(torch.cuda.get_device_name(device) if cuda else str(d
 # preemption, time-based saves, the last good checkpoint, a full disk, divergence (flt/guard.py)
 guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_nats=divergence_nats,
               save_interval_minutes=save_interval_minutes, divergence_window=divergence_window)
+# a step's seconds by the host's clock (no sync), evaluations and saves left out
 timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; the schedules, forward and backward over the
 # micro-batches; the one reduction and the one host read; clip and step; log.
@@ -314,16 +315,16 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): gradients averaged; one all-reduce sums norms' shares and to_sum:
-    # the loss, the last micro-batch's top loop norm, the guard's 0/1 flags: preempted, Ctrl-C, save
-    to_sum = {"loss": train_loss, "resid": looped.resid_norms.max()} | guard.flags()
+    # The reduction (optim.py): gradients averaged; one all-reduce sums over the ranks the norms'
+    # shares and to_sum: mean loss, top loop norm (last micro-batch), the guard's 0/1 flags
+    to_sum = {"loss": train_loss / world_size, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
-    # The one host read: one .tolist() of these and the logged norms (watch: modules' grads, loops)
-    numbers = runtime.to_host(grad_norm=grad_norm, **sums, **watch.tensors(sq_norms, looped))
-    train_loss = numbers["loss"] / world_size
+    # The one host read: these 0-d tensors and the norms the log shows (watch), in one .tolist()
+    tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
+    numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good
-    guard.stop_if_not_finite(step, train_loss, numbers["grad_norm"], numbers["resid"])
+    guard.stop_if_not_finite(step, numbers["loss"], numbers["grad_norm"], numbers["resid"])
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:
         opt.step(grad_scale=clip)
@@ -336,13 +337,13 @@ while True:
     # grad_<module> (Figs. 3, 8), residual norms, tok/s, MFU of the FLOPs run, early CUDA memory
     flops_per_token = model.estimate_flops(K, truncated_bptt)
     record.update(grad_norm=numbers["grad_norm"], **watch.record(numbers, grad_clip))
-    record.update(loss=train_loss, lrm=lrm, loops=K, resid_norms=numbers["resid_norms"])
+    record.update(loss=numbers["loss"], lrm=lrm, loops=K)
     record.update(diagnostics.speed(total_batch_size, dt, flops_per_token, peak, world_size,
                                     memory=cuda and step < start_step + 10))
     if step % log_interval == 0:
         print0(diagnostics.step_line(record, num_steps, timer))
     log.write(record)
-    guard.watch_divergence(step, train_loss)
+    guard.watch_divergence(step, numbers["loss"])
     step += 1
 
 log.write(record)

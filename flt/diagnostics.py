@@ -2,7 +2,7 @@
 Nothing here decides the step: its gradient norm and clip factor are train.py's; these only record.
 
     watch = diagnostics.Watch(model, watch_layer, clipped=True)  # the modules of Figures 3 and 8
-    numbers = runtime.to_host(grad_norm=..., **watch.tensors(sq_norms, looped))  # the one host read
+    tensors = {"grad_norm": ..., **watch.tensors(sq_norms, looped)}  # 0-d, read in one .tolist()
     record |= watch.record(numbers, grad_clip)     # grad_<module> (and grad_<module>_clipped)
     record |= diagnostics.speed(tokens, dt, flops_per_token, peak, world_size)  # tok_per_s, dt, mfu
     print0(diagnostics.step_line(record, num_steps, timer))  # every log_interval steps
@@ -66,21 +66,26 @@ class Watch:
         self.clipped = clipped
 
     def tensors(self, sq_norms, looped):
-        """{name: device tensor} for the step's one read, no host read here: "module_norms" (from
-        reduce_gradients' squared norms), "resid_norms" (the model's Loops), "own_norms" if clipped."""
-        tensors = {"module_norms": module_norms(sq_norms, self.modules), "resid_norms": looped.resid_norms}
+        """{name: 0-d device tensor} for the step's one read, no host read here: "grad_<module>" (from
+        reduce_gradients' squared norms), "resid_norm_<t>" for loop t = 1..K (the model's Loops), and
+        if clipped "own_total", "own_<module>"."""
+        norms = module_norms(sq_norms, self.modules).unbind()
+        tensors = {f"grad_{k}": n for k, n in zip(self.modules, norms)}
+        tensors |= {f"resid_norm_{t}": n for t, n in enumerate(looped.resid_norms.unbind(), 1)}
         if self.clipped:
-            tensors["own_norms"] = own_gradient_norms(self.model, self.modules)
+            own = own_gradient_norms(self.model, self.modules).unbind()
+            tensors |= {f"own_{k}": n for k, n in zip(["total", *self.modules], own)}
         return tensors
 
     def record(self, numbers, max_norm):
-        """The log entries of the read `numbers`: {"grad_<name>"}, and if clipped {"grad_<name>_clipped"}
-        (clip_grad_norm_ by the total to max_norm, then each module's norm)."""
-        record = {f"grad_{k}": n for k, n in zip(self.modules, numbers["module_norms"])}
+        """The log entries of the read `numbers`: "grad_<name>", "resid_norms" (a list, loop 1 first),
+        and if clipped "grad_<name>_clipped" (clip_grad_norm_ by the total to max_norm, then each
+        module's norm)."""
+        record = {f"grad_{k}": numbers[f"grad_{k}"] for k in self.modules}
+        record["resid_norms"] = [v for k, v in numbers.items() if k.startswith("resid_norm_")]
         if self.clipped:
-            total, *modules = numbers["own_norms"]
-            coef = clip_coefficient(total, max_norm)
-            record |= {f"grad_{k}_clipped": coef * n for k, n in zip(self.modules, modules)}
+            coef = clip_coefficient(numbers["own_total"], max_norm)
+            record |= {f"grad_{k}_clipped": coef * numbers[f"own_{k}"] for k in self.modules}
         return record
 
 

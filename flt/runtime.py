@@ -113,19 +113,6 @@ def rank_world():
     return 0, 1
 
 
-def to_host(**tensors):
-    """{name: a float (0-d tensor) or a list (1-D)} of the tensors given (None: left out), in one
-    device-to-host copy: the training loop's one host sync per step (train.py's step reads
-    its numbers and the diagnostics' with it)."""
-    tensors = {k: t for k, t in tensors.items() if t is not None}
-    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors.values()]).tolist()  # float64: exact
-    out, start = {}, 0
-    for name, t in tensors.items():
-        out[name] = flat[start] if t.dim() == 0 else flat[start:start + t.numel()]
-        start += t.numel()
-    return out
-
-
 def all_reduce_sum(*tensors):
     """Sum each tensor over the process group's ranks, in place, in one collective (several are
     flattened into one float64 buffer and copied back); nothing without a group."""

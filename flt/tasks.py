@@ -15,8 +15,9 @@ Two families, each with a difficulty knob, task_difficulty (D):
   digit (0..D). c fills the sequence: (sequence_len - 1) // (2 (D + 1)).
 
 Which tokens carry the loss: every labelled position (each element of s3/s5, each right-hand side
-of chains); the others, bos and padding, have target -1. Every answer is a function of the input up
-to its position, so the supervision is dense and nothing is predicted from the future.
+of chains); the others (bos, padding, chains' left-hand sides) have target -1. Every answer is a
+function of the input up to its position, so the supervision is dense and nothing is predicted from
+the future.
 
 Items are generated from a seed: item i of a run is the first draw of rng([seed, i, attempt]),
 attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run see the same stream
@@ -28,15 +29,17 @@ WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py l
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
 
 A task run, end to end, with every call it makes outside this file:
-- training (train.py): `task_of(settings)` is the task; `Task.loader` stands where the text's
-  data.DataLoader would, yielding rows of `Task.rows` (y[i] is the answer at x[i] itself, not the
-  next token); the text's `model(x, y)` takes the loss, model.py's GPT.loss: the cross-entropy of
-  the logits at position i against y[i], -1 skipped, so one loss serves text and tasks alike;
+- training (train.py): `task_of(settings)` is the task, `tokenizer(task)` its vocabulary (through
+  flt/inputs.py: tokenizer, saved as the run's tokenizer.json); `Task.loader` stands where the
+  text's data.DataLoader would, yielding rows of `Task.rows` (y[i] is the answer at x[i] itself, not
+  the next token); the text's `model(x, y)` takes the loss, model.py's GPT.loss: the cross-entropy
+  of the logits at position i against y[i], -1 skipped, so one loss serves text and tasks alike;
 - validation (train.py's validate): eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by
   `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
 - scoring (eval.py's tasks mode; flt/modes.py: tasks_mode): eval.py's `evaluate_tasks` on
   `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
-  at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer).
+  at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer);
+  eval.json's task_acc pools every answer, task_acc_by_difficulty is one accuracy per level.
 """
 import hashlib
 import itertools

@@ -350,7 +350,7 @@ def syncs():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     model, autocast = make(variant, vocab=vocab_size)
     optimizers = build_optimizers(model, distributed=True)
-    watched = diagnostics.watched_modules(model)
+    watch = diagnostics.Watch(model)
     idx = torch.randint(0, vocab_size, (batch_size, sequence_len), device=device)
 
     def step():
@@ -359,10 +359,11 @@ def syncs():
         loss.backward()
         flags = {name: torch.full((), 0.0, device=device) for name in ("preempted", "save_due")}
         norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid": looped.resid_norms.max()} | flags)
-        host = runtime.to_host(**summed, norms=diagnostics.gradient_norms(norms, watched),
-                                resid_norms=looped.resid_norms)
+        grad_norm = torch.stack(list(norms.values())).double().sum().sqrt()
+        tensors = {"grad_norm": grad_norm, **summed, **watch.tensors(norms, looped)}
+        numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
         for opt in optimizers:
-            opt.step(grad_scale=clip_coefficient(host["norms"][0], 1.0))
+            opt.step(grad_scale=clip_coefficient(numbers["grad_norm"], 1.0))
         model.zero_grad(set_to_none=True)
     step()  # the optimizers' state is created
     with diagnostics.count_host_reads() as reads, Launches() as launched:

@@ -8,8 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flt import diagnostics, runtime
+from flt import diagnostics
 from test_model import make_model, random_tokens
+
+
+def read(tensors):
+    """{name: float} of train.py's 0-d tensors, as its one read gives them."""
+    return {name: t.item() for name, t in tensors.items()}
 
 
 def model_with_gradients(n_layer):
@@ -35,9 +40,12 @@ def test_watched_norms_are_those_of_the_modules_the_figures_follow(n_layer, watc
     looped = SimpleNamespace(resid_norms=torch.tensor([1.0, 2.0]))
     with diagnostics.count_host_reads() as reads:
         tensors = watch.tensors(sq, looped)  # device tensors only: the step reads them in its one read
-    assert sum(reads.values()) == 0 and tensors.keys() == {"module_norms", "resid_norms"}
+    assert sum(reads.values()) == 0 and all(t.dim() == 0 for t in tensors.values())
+    assert list(tensors) == ["grad_mlp_first", "grad_lm_head", "grad_mlp_mid", "grad_attn_mid", "resid_norm_1",
+                             "resid_norm_2"]
     got = {"grad_norm": diagnostics.gradient_norms(sq, watch.modules)[0].item()}
-    got |= watch.record(runtime.to_host(**tensors), 1.0)  # not clipped=True: no clipped entries
+    got |= watch.record(read(tensors), 1.0)  # not clipped=True: no clipped entries
+    assert got.pop("resid_norms") == [1.0, 2.0]  # loop 1 first
     want = {"grad_norm": norm_of(model, ""), "grad_mlp_first": norm_of(model, "transformer.h.0.mlp."), "grad_lm_head": norm_of(model, "lm_head."),
             "grad_mlp_mid": norm_of(model, f"transformer.h.{mid}.mlp."),
             "grad_attn_mid": norm_of(model, f"transformer.h.{mid}.attn.")}
@@ -53,7 +61,7 @@ def test_clipped_norms_are_the_module_norms_after_torchs_clipping():
     model = model_with_gradients(6)
     watch = diagnostics.Watch(model, clipped=True)
     sq = {p: p.grad.double().square().sum() for p in model.parameters()}
-    numbers = runtime.to_host(**watch.tensors(sq, SimpleNamespace(resid_norms=torch.ones(2))))
+    numbers = read(watch.tensors(sq, SimpleNamespace(resid_norms=torch.ones(2))))
     total = norm_of(model, "")
     for max_norm in (total / 3, 10 * total):  # clipping, and none
         got = {k: v for k, v in watch.record(numbers, max_norm).items() if k.endswith("_clipped")}

@@ -22,7 +22,7 @@ def test_tiny_gpu_check_runs_every_part_and_reports_what_it_measured(tmp_path, d
     q = results["quickstart"]
     # the quick start ran train.py in bf16 beside an fp32 CPU run of the same steps
     assert q["exit"] == 0 and q["reference_exit"] == 0 and q["graphs"] == 0
-    # one host read per optimizer step: the step's one sync (runtime.to_host)
+    # one host read per optimizer step: the step's one sync (train.py's .tolist())
     assert q["reads_per_step"] == 1
     # bf16 against fp32: the relative rounding of bf16 (2**-8), far below a different function
     assert abs(q["final_val_bpb"] / q["reference_bpb"] - 1) < 2**-6, q
