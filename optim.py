@@ -11,7 +11,7 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      (0-d device tensors, read in one go): clipping sees the averaged gradient, as under DDP.
   3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged gradient (c = the
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
-     gradients (scaled in place): zero them next. step() alone first reduces by itself.
+     gradients (one process scales p.grad in place): zero them next. step() alone reduces first.
 Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
 rank updates and an all-gather of the updated pieces, 2P and padding as DDP's all-reduce (sharing
 sharded updates after an all-reduce: 3P), plus an all_reduce of a number per tensor and `to_sum`.

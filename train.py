@@ -316,7 +316,7 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged; one all-reduce sums over the ranks the norms'
-    # shares and to_sum: mean loss, top loop norm (last micro-batch), the guard's 0/1 flags
+    # shares, the mean loss, the guard's 0/1 flags and, as a finiteness check, each top loop norm
     to_sum = {"loss": train_loss / world_size, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()

@@ -2,8 +2,8 @@
 that model.py's generate shares with it. `model.generate(idx, n, draft_loops=K_d, draft_len=...)`
 checks the settings (check_draft) and streams the tokens of draft_and_verify, the whole algorithm.
 
-Why it works: loop t reads only loops 1..t-1 and the cache's slot of loop t, so the first K_d loops
-of a K-loop forward are a K_d-loop forward, keys and values included. A round drafts draft_len
+Why it works: loop t reads only e, loops 1..t-1 and the cache's slot of loop t, so the first K_d
+loops of a K-loop forward are a K_d-loop forward, keys and values included. A round drafts draft_len
 tokens, each with loops 1..K_d of one token, keeping its state h(K_d); one forward then runs loops
 K_d+1..K over all of them, continued from those states, and keeps the drafts the K-loop model
 confirms. No loop runs twice. The two partial passes are spans of the loop (flt/decoding.py:
@@ -82,8 +82,8 @@ def check_draft(K, draft_loops, draft_len, cache_slots=None, exit_threshold=None
                          "unset (None, K slots at each K)")
     if exit_threshold is not None:
         raise ValueError(f"{prefix}exit_threshold={exit_threshold!r} with {drafts}: a token's "
-                         "depth is either drafted and verified, or chosen by the exit rule; use one "
-                         "of the two")
+                         "depth is either drafted and verified, or chosen by the exit rule; use "
+                         "one of the two")
 
 
 def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temperature=0.0,
