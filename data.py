@@ -35,8 +35,7 @@ def tokenizer_threads(cpus, local_world_size):
     return max(1, cpus // max(1, local_world_size))
 
 
-# Set before the pool starts (its first parallel encode or training), never over the user's own.
-# The CPUs this process may use (macOS has no affinity: all of them).
+# The tokenizers pool's threads: set before the pool starts, never over the user's own setting
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 os.environ.setdefault("RAYON_NUM_THREADS",
                       str(tokenizer_threads(CPUS, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
@@ -69,8 +68,8 @@ class Tokenizer:
     def token_bytes(self, count="authors"):
         """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (the paper's;
         their get_token_bytes): len(decode([id]).encode()), 0 for added tokens: 3 per U+FFFD of a
-        split character (its first 2 bytes: one, 3; its last 2: two, 6). "utf8": true bytes (one per
-        character of a byte-level token string), 0 for special tokens only."""
+        split character (its first 2 bytes: one, 3; its last 2: two, 6). "utf8": true bytes (BPE:
+        a token's characters; a task's WordLevel symbol: its UTF-8), 0 for special tokens only."""
         if count not in ("authors", "utf8"):
             raise ValueError(f"token_bytes: count must be 'authors' or 'utf8', got {count!r}")
         added = self.tok.get_added_tokens_decoder()
@@ -78,6 +77,7 @@ class Tokenizer:
             return torch.tensor([0 if i in added else len(self.decode([i]).encode("utf-8"))
                                  for i in range(self.vocab_size)], dtype=torch.long)
         alphabet = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+        words = isinstance(self.tok.model, tokenizers.models.WordLevel)
         table = torch.zeros(self.vocab_size, dtype=torch.long)
         for i in range(self.vocab_size):
             # added tokens are stored as plain text
@@ -87,7 +87,7 @@ class Tokenizer:
                 if not set(token) <= alphabet:
                     raise ValueError(f"token {i} {token!r} is not byte-level; only byte-level BPE "
                                      "tokenizers (GPT-2, Qwen3, train_tokenizer) are supported")
-                table[i] = len(token)
+                table[i] = len(token.encode("utf-8")) if words else len(token)
         return table
 
     def save(self, path):

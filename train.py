@@ -316,11 +316,11 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged; one all-reduce sums over the ranks the norms'
-    # shares, the mean loss, the guard's 0/1 flags and, as a finiteness check, each top loop norm
+    # shares, the mean loss, the guard's 0/1 flags, and each rank's largest loop norm (finite?)
     to_sum = {"loss": train_loss / world_size, "resid": looped.resid_norms.max()} | guard.flags()
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
-    # The one host read: these 0-d tensors and the norms the log shows (watch), in one .tolist()
+    # The one host read, one .tolist(): these 0-d tensors and watch's logged norms (device tensors)
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good

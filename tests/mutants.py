@@ -45,7 +45,7 @@ MUTANTS = [
     ("train.py", "last_step = step == num_steps", "last_step = step == num_steps - 1", RECIPE),
     ("train.py", "loss = loss / grad_accum", "loss = loss", RECIPE),
     ("train.py", "train_loss += loss.detach()", "train_loss = loss.detach() * grad_accum", RECIPE),
-    ("train.py", 'train_loss = numbers["loss"] / world_size', 'train_loss = numbers["loss"]', RECIPE),
+    ("train.py", '{"loss": train_loss / world_size,', '{"loss": train_loss,', RECIPE),
     ("train.py", ".double().sum().sqrt()", ".double().sum()", RECIPE),
     ("train.py", 'clip = clip_coefficient(numbers["grad_norm"], grad_clip)',
      'clip = clip_coefficient(numbers["grad_norm"], 1.0)', RECIPE),

@@ -141,6 +141,17 @@ def tiny_model(task, variant="FLT", loops=2):
     return model.double().eval()
 
 
+@pytest.mark.parametrize("name, two_byte", [("s3", 0), ("s5", 120 - 84), ("chains", 0)])
+def test_both_byte_tables_count_each_symbols_utf8_bytes(name, two_byte):
+    """val_bpb and val_bpb_utf8 of a task: its symbols are characters, not byte-level BPE tokens, so
+    each counts the bytes of its UTF-8 encoding (S5's past the 84th one-byte character: 2); bos 0."""
+    task = tasks.Task(name, 4, 64)
+    want = [0] + [len(symbol.encode("utf-8")) for symbol in task.symbols]
+    for count in evaluation.BYTE_COUNTS:
+        assert tasks.tokenizer(task).token_bytes(count).tolist() == want, count
+    assert want.count(2) == two_byte
+
+
 def test_accuracy_equals_a_hand_count():
     task = task_of("chains", 2, 20)
     model = tiny_model(task)
