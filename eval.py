@@ -192,10 +192,10 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, exit_rule="kl"
 # ----------------------------------------------------------------------------- reasoning tasks
 @torch.no_grad()
 def evaluate_tasks(model, batches, levels, loops_list, progress=None):
-    """({K: {difficulty: per-answer accuracy}}, {K: over all answers}, {difficulty: answers}) on a
-    synthetic task's test batches (x, y, difficulty) (flt/tasks.py): the share of the answers
-    (targets >= 0) of each difficulty in `levels` whose argmax is right, every K from one forward.
-    All-reduced."""
+    """({K: {difficulty: per-answer accuracy}}, {K: over all answers}, {difficulty: answers}): the
+    share of the answers (targets >= 0) of each difficulty in `levels` whose argmax is right, every
+    K from one forward, on the tasks mode's batches: Task.batches(task_items * item_len, batch_size,
+    rank, world_size, difficulty=True) (flt/tasks.py). All-reduced."""
     device = next(model.parameters()).device
     # per K, the right answers at each difficulty; and the answers at each difficulty
     n = max(levels) + 1
