@@ -316,15 +316,15 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged; one all-reduce sums over the ranks the norms'
-    # shares, the mean loss, the guard's 0/1 flags, and each rank's largest loop norm (finite?)
-    to_sum = {"loss": train_loss / world_size, "resid": looped.resid_norms.max()} | guard.flags()
-    sq_norms, sums = reduce_gradients(optimizers, to_sum)
+    # shares, the mean loss, each rank's top loop norm (checked only: finite?), the guard's flags
+    to_sum = {"loss": train_loss / world_size, "top_norm": looped.resid_norms.max()}
+    sq_norms, sums = reduce_gradients(optimizers, to_sum | guard.flags())
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
     # The one host read, one .tolist(): these 0-d tensors and watch's logged norms (device tensors)
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
     # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good
-    guard.stop_if_not_finite(step, numbers["loss"], numbers["grad_norm"], numbers["resid"])
+    guard.stop_if_not_finite(step, numbers["loss"], numbers["grad_norm"], numbers["top_norm"])
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:
         opt.step(grad_scale=clip)

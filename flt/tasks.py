@@ -36,7 +36,7 @@ A task run, end to end, with every call it makes outside this file:
   of the logits at position i against y[i], -1 skipped, so one loss serves text and tasks alike;
 - validation (train.py's validate): eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by
   `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
-- scoring (eval.py's tasks mode): eval.py's `evaluate_tasks` on
+- scoring (eval.py's tasks mode, run by flt/modes.py: tasks_mode): eval.py's `evaluate_tasks` on
   `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
   at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer);
   eval.json's task_acc pools every answer, task_acc_by_difficulty is one accuracy per level.

@@ -358,7 +358,7 @@ def syncs():
             loss, looped = model(idx, idx, return_loops=True)
         loss.backward()
         flags = {name: torch.full((), 0.0, device=device) for name in ("preempted", "save_due")}
-        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid": looped.resid_norms.max()} | flags)
+        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "top_norm": looped.resid_norms.max()} | flags)
         grad_norm = torch.stack(list(norms.values())).double().sum().sqrt()
         tensors = {"grad_norm": grad_norm, **summed, **watch.tensors(norms, looped)}
         numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))

@@ -38,7 +38,7 @@ def stops(capsys, call):
 def flags(preempted=0.0, save_due=0.0, interrupted=0.0):
     """The step's read numbers the guard takes: its flags, summed over the ranks."""
     return {"preempted": preempted, "interrupted": interrupted, "save_due": save_due, "loss": 3.0,
-            "grad_norm": 1.0, "resid": 1.0}
+            "grad_norm": 1.0, "top_norm": 1.0}
 
 
 def test_the_flags_are_this_ranks_signal_and_clock(make_guard):
