@@ -77,8 +77,8 @@ exit_thresholds = ""            # exit mode: comma-separated thresholds of its r
 argmax_counts = "1,2,3"         # exit mode: the argmax rule's thresholds (loops the top-1 is kept)
 task_items = 2048               # tasks mode: the held-out items scored (the test set's first N)
 
-# a token's bytes (data.py: Tokenizer.token_bytes; 0 for special tokens): "authors" (val_bpb, the
-# paper's) is len(decode([id]).encode()), 3 per U+FFFD of a split character; "utf8" its true bytes
+# a token's bytes (data.py: Tokenizer.token_bytes): "authors" (val_bpb, the paper's) counts
+# len(decode([id]).encode()), 0 for added tokens; "utf8" its true bytes, 0 for special tokens
 BYTE_COUNTS = ("authors", "utf8")
 
 

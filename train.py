@@ -316,7 +316,7 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged; one all-reduce sums over the ranks the norms'
-    # shares, the mean loss, each rank's top loop norm (checked only: finite?), the guard's flags
+    # shares, the mean loss, the guard's flags, the last micro-batch's top loop norm (finite?)
     to_sum = {"loss": train_loss / world_size, "top_norm": looped.resid_norms.max()}
     sq_norms, sums = reduce_gradients(optimizers, to_sum | guard.flags())
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()

@@ -2,11 +2,11 @@
 that model.py's generate shares with it. `model.generate(idx, n, draft_loops=K_d, draft_len=...)`
 checks the settings (check_draft) and streams the tokens of draft_and_verify, the whole algorithm.
 
-Why it works: loop t reads only e, loops 1..t-1 and the cache's slot of loop t, so the first K_d
-loops of a K-loop forward are a K_d-loop forward, keys and values included. A round drafts draft_len
-tokens, each with loops 1..K_d of one token, keeping its state h(K_d); one forward then runs loops
-K_d+1..K over all of them, continued from those states, and keeps the drafts the K-loop model
-confirms. No loop runs twice. The two partial passes are spans of the loop (flt/decoding.py:
+Why it works: loop t reads only e, h(t-1) and the cache's slot of loop t, so the first K_d loops of
+a K-loop forward are a K_d-loop forward, keys and values included. A round drafts draft_len tokens,
+each with loops 1..K_d of one token, keeping its state h(K_d); one forward then runs loops K_d+1..K
+over all of them, continued from those states, and keeps the drafts the K-loop model confirms. No
+loop of a kept token runs twice. The two partial passes are spans of the loop (flt/decoding.py:
 LoopSpan), run by generate's decode step (flt/decoding.py: Decoder):
 
     step(token, LoopSpan(K, stop=K_d))                  # loops 1..K_d: the draft step, (h, logits)
