@@ -58,7 +58,8 @@ class Watch:
     """What train.py records of each step's gradients (Sec. 3, Figures 3 and 8): the norms of the watched
     modules' rank-averaged gradient, before clipping, as the figures show them; with clipped=True (rank 0
     under log_clipped_norms) also the authors' view: this rank's own gradient, clipped by its own norm
-    (clip_grad_norm_'s rule); and the residual stream's norm after each loop."""
+    (clip_grad_norm_'s rule); and the residual stream's norm after each loop (this rank's last micro-batch:
+    rank 0's is the one logged)."""
 
     def __init__(self, model, watch_layer=-1, clipped=False):
         self.model = model

@@ -91,7 +91,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     """Yield (B, n) tokens, n >= 1 per round, max_new_tokens in all: those of K-loop decoding
     (greedy: the same tokens; sampling: the same distribution). A round drafts up to draft_len
     tokens with loops 1..K_d, verifies them with loops K_d+1..K in one forward, keeps the
-    longest prefix every row confirms, and ends with the K-loop model's own token. The cache
+    longest prefix every row confirms, and ends with the K-loop model's own token (all confirmed:
+    the last draft is that token). The cache
     is rewound past the rest: its entries there are overwritten before any query reads them.
     decode: the steps' path (Decoder). stats (a dict): rounds, drafted and accepted tokens per
     row, and the cache."""

@@ -3,8 +3,8 @@ signal and its requeue exit, time-based checkpoints, the last good checkpoint, a
 non-finite step, divergence; and, when the requeued job starts again, where it resumes.
 
     guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, ...)
-    to_sum |= guard.flags()                 # this rank's signal and clock, for the all-reduce
-    guard.stop_if_not_finite(step, loss, grad_norm, resid)  # before the update, on every rank
+    to_sum | guard.flags()                  # this rank's signal and clock, for the all-reduce
+    guard.stop_if_not_finite(step, loss, grad_norm, top_norm)  # before the update, on every rank
     guard.take_flags(numbers)               # what the ranks agreed: a preemption, a save due
     if ... or guard.save_due: guard.save(step)  # printed; a full disk stops every rank, one message
     guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues;
@@ -66,16 +66,16 @@ class Guard:
         self.interrupted = numbers["interrupted"] > 0
         self.clock_due = numbers["save_due"] > 0
 
-    def stop_if_not_finite(self, step, loss, grad_norm, resid):
-        """Stop every rank before the optimizer step if the loss, the gradient norm or resid (the
+    def stop_if_not_finite(self, step, loss, grad_norm, top_norm):
+        """Stop every rank before the optimizer step if the loss, the gradient norm or top_norm (the
         ranks' sum of their last micro-batch's largest loop norm, a check value) is not finite: the
         parameters stay those of a good step. Every rank decides alike: the numbers are the
         all-reduced ones. An overflowed stream can give a finite, useless loss, so the residual
         norm is checked too."""
-        if not all(map(math.isfinite, (loss, grad_norm, resid))):
+        if not all(map(math.isfinite, (loss, grad_norm, top_norm))):
             self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
             self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "
-                      f"{resid}: not finite; stopped before the optimizer step, so the "
+                      f"{top_norm}: not finite; stopped before the optimizer step, so the "
                       "parameters were not updated", 1)
 
     def save(self, step):

@@ -248,8 +248,9 @@ def training_shards(s, tokens):
 
 
 def planned_vocab(s):
-    """The vocabulary's size for --dry_run, nothing downloaded or written: from the settings alone,
-    but your own data's BPE's, which may have fewer ids than bpe_vocab_size (own_tokenizer)."""
+    """The vocabulary's size for --dry_run (and flt/inputs.py: vocab_size), nothing downloaded or
+    written: from the settings alone, but your own data's BPE's, which may have fewer ids than
+    bpe_vocab_size (own_tokenizer)."""
     tokenizer = s["tokenizer"]
     if s["dataset"] in tasks.TASKS:
         return tasks.tokenizer(tasks.task_of(s)).vocab_size
