@@ -315,16 +315,16 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): gradients averaged; one all-reduce sums over the ranks the norms'
-    # shares, the mean loss, the guard's flags, the last micro-batch's top loop norm (finite?)
+    # The reduction (optim.py): gradients averaged; one all-reduce sums norms' shares, to_sum, flags
     to_sum = {"loss": train_loss / world_size, "top_norm": looped.resid_norms.max()}
     sq_norms, sums = reduce_gradients(optimizers, to_sum | guard.flags())
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
     # The one host read, one .tolist(): these 0-d tensors and watch's logged norms (device tensors)
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
-    # A non-finite loss or norm stops every rank before the update: the last checkpoint stays good
-    guard.stop_if_not_finite(step, numbers["loss"], numbers["grad_norm"], numbers["top_norm"])
+    # Not all finite (top_norm: the ranks' top loop norms, summed): every rank stops, no update
+    if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "top_norm")):
+        guard.stop_before_update(step, numbers)
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:
         opt.step(grad_scale=clip)

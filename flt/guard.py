@@ -4,7 +4,7 @@ non-finite step, divergence; and, when the requeued job starts again, where it r
 
     guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, ...)
     to_sum | guard.flags()                  # this rank's signal and clock, for the all-reduce
-    guard.stop_if_not_finite(step, loss, grad_norm, top_norm)  # before the update, on every rank
+    guard.stop_before_update(step, numbers)  # a step not finite: every rank, before the update
     guard.take_flags(numbers)               # what the ranks agreed: a preemption, a save due
     if ... or guard.save_due: guard.save(step)  # printed; a full disk stops every rank, one message
     guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues;
@@ -15,7 +15,6 @@ Every rank takes the same decision at the same step: the flags are summed by the
 step runs anyway, so one signalled rank (or one node's faster clock) is enough for all of them, and
 every stop names the last good checkpoint. docs/operations.md has the exit codes and the requeue.
 """
-import math
 
 import torch
 
@@ -66,17 +65,17 @@ class Guard:
         self.interrupted = numbers["interrupted"] > 0
         self.clock_due = numbers["save_due"] > 0
 
-    def stop_if_not_finite(self, step, loss, grad_norm, top_norm):
-        """Stop every rank before the optimizer step if the loss, the gradient norm or top_norm (the
-        ranks' sum of their last micro-batch's largest loop norm, a check value) is not finite: the
-        parameters stay those of a good step. Every rank decides alike: the numbers are the
-        all-reduced ones. An overflowed stream can give a finite, useless loss, so the residual
-        norm is checked too."""
-        if not all(map(math.isfinite, (loss, grad_norm, top_norm))):
-            self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
-            self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "
-                      f"{top_norm}: not finite; stopped before the optimizer step, so the "
-                      "parameters were not updated", 1)
+    def stop_before_update(self, step, numbers):
+        """Stop every rank, before the optimizer step, of a step whose read `numbers` (loss,
+        grad_norm, top_norm: the ranks' sum of their last micro-batch's largest loop norm) are not
+        all finite (train.py checks): the parameters stay those of a good step, logged as
+        diverged. Every rank decides alike: the numbers are the all-reduced ones. An overflowed
+        stream can give a finite, useless loss, so the residual norm is checked too."""
+        loss, grad_norm = numbers["loss"], numbers["grad_norm"]
+        self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
+        self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "
+                  f"{numbers['top_norm']}: not finite; stopped before the optimizer step, so the "
+                  "parameters were not updated", 1)
 
     def save(self, step):
         """train.py's checkpoint of this step, which becomes the last good one (printed); the save
