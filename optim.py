@@ -12,7 +12,7 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
   3. opt.step(grad_scale=c) for each optimizer updates with c times the averaged gradient (c = the
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
      gradients (one process scales p.grad in place): zero them next. step() alone reduces first.
-Traffic for P parameter elements: a reduce-scatter (average) of the gradients into the pieces each
+Traffic for P parameter elements: a reduce-scatter (AVG, gloo's too) of the gradients to the pieces
 rank updates and an all-gather of the updated pieces, 2P and padding as DDP's all-reduce (sharing
 sharded updates after an all-reduce: 3P), plus an all_reduce of a number per tensor and `to_sum`.
 One process skips every collective unless built distributed (scripts/zero_check.py: a group of one).

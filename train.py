@@ -322,7 +322,7 @@ while True:
     # The one host read, one .tolist(): these 0-d tensors and watch's logged norms (device tensors)
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
-    # Not all finite (top_norm: the ranks' top loop norms, summed): every rank stops, no update
+    # Not all finite (top_norm: last micro-batch's top loop norm, rank-summed): exit 1, no update
     if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "top_norm")):
         guard.stop_before_update(step, numbers)
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
@@ -334,7 +334,7 @@ while True:
     guard.take_flags(numbers)
 
     # Log every step to log.jsonl, a line every log_interval steps (flt/diagnostics.py): grad_norm,
-    # grad_<module> (Figs. 3, 8), residual norms, tok/s, MFU of the FLOPs run, early CUDA memory
+    # grad_<module> (Figs. 3, 8), loop norms (rank 0's last micro-batch), tok/s, MFU, CUDA memory
     flops_per_token = model.estimate_flops(K, truncated_bptt)
     record.update(grad_norm=numbers["grad_norm"], **watch.record(numbers, grad_clip))
     record.update(loss=numbers["loss"], lrm=lrm, loops=K)
