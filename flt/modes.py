@@ -157,6 +157,11 @@ def bpb_mode(settings, job):
     return Plan(f"{val.what}; {val.forwards} at K={job.loops[-1]}", len(val.batches), run)
 
 
+def exits_named(exits):
+    """The exit rules a plan line names: "kl at [0.1, 0.01], argmax at [1, 2]"."""
+    return ", ".join(f"{rule} at {thresholds}" for rule, thresholds in exits.items())
+
+
 def exit_mode(settings, job):
     """bpb and loops per token under each exit rule at each of its thresholds (Metrics.exit): kl's
     curve under "exit", as ever; the other rules' under "exit_rules", {rule: curve}. eval.json
@@ -179,8 +184,7 @@ def exit_mode(settings, job):
         if curves:
             results["exit_rules"] = curves
         return {K_max: results}, val.measured
-    asked = ", ".join(f"{rule} at {thresholds}" for rule, thresholds in job.exits.items())
-    return Plan(f"the bpb mode's tokens, K <= {K_max}, exit rules {asked}: "
+    return Plan(f"the bpb mode's tokens, K <= {K_max}, exit rules {exits_named(job.exits)}: "
                 f"{n_thresholds} x {val.forwards}", n, run)
 
 
@@ -319,8 +323,7 @@ def tasks_mode(settings, job):
                          "answers": {str(d): n for d, n in answers.items()}}
     exits = ""
     if job.exits:
-        asked = ", ".join(f"{rule} at {thresholds}" for rule, thresholds in job.exits.items())
-        exits = f"; and {n_exit} forwards under exit rules {asked}"
+        exits = f"; and {n_exit} forwards under exit rules {exits_named(job.exits)}"
     return Plan(f"{settings.task_items:,} held-out {task.name} items of difficulty {task.D} "
                 f"({len(task.levels)} levels), {len(batches)} forwards of {settings.batch_size} x "
                 f"{job.seq_len} at K={job.loops[-1]}{exits}", len(batches) + n_exit, run)
