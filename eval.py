@@ -192,9 +192,9 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, exit_rule="kl"
 # ----------------------------------------------------------------------------- reasoning tasks
 @torch.no_grad()
 def evaluate_tasks(model, batches, levels, loops_list, progress=None):
-    """({K: {difficulty: per-answer accuracy}}, {K: over all answers}, {difficulty: answers}): the
-    share of the answers (targets >= 0) of each difficulty in `levels` whose argmax is right, every
-    K from one forward, on the tasks mode's batches: Task.batches(task_items * item_len, batch_size,
+    """({K: eval.json's {"task_acc", "task_acc_by_difficulty"}}, {difficulty: answers}): the share
+    of the answers (targets >= 0) whose argmax is right, in all and at each difficulty in `levels`,
+    every K from one forward, on the tasks mode's Task.batches(task_items * item_len, batch_size,
     rank, world_size, difficulty=True) (flt/tasks.py). All-reduced."""
     device = next(model.parameters()).device
     # per K, the right answers at each difficulty; and the answers at each difficulty
@@ -211,10 +211,11 @@ def evaluate_tasks(model, batches, levels, loops_list, progress=None):
         if progress:
             progress()
     runtime.all_reduce_sum(right, answers)
-    right, answers = right.tolist(), answers.tolist()
-    accuracy = {K: {d: r[d] / answers[d] for d in levels} for K, r in zip(loops_list, right)}
-    overall = {K: sum(r) / sum(answers) for K, r in zip(loops_list, right)}
-    return accuracy, overall, {d: int(answers[d]) for d in levels}
+    answers = answers.tolist()
+    results = {K: {"task_acc": sum(r) / sum(answers),
+                   "task_acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels}}
+               for K, r in zip(loops_list, right.tolist())}
+    return results, {str(d): int(answers[d]) for d in levels}
 
 
 @torch.no_grad()
@@ -282,9 +283,8 @@ def longest_input(model):
 
 def score_sequences(model, seqs, loops_list, batch_size, progress=None, exit_threshold=None):
     """{K: (mean loss of each span (N,), whether the argmax is right at every span position (N,))}
-    for [(tokens, s)], each scoring its span tokens[s:]; batch_size sequences per forward, but
-    at most batch_size * sequence_len tokens unless one is longer (then alone). exit_threshold:
-    the KL exit rule."""
+    for [(tokens, s)], each scoring its span tokens[s:]; batch_size sequences per forward, at most
+    batch_size * sequence_len tokens unless one is longer (alone). exit_threshold: the KL rule's."""
     device = next(model.parameters()).device
     mean = {K: torch.zeros(len(seqs), dtype=torch.float64) for K in loops_list}
     exact = {K: torch.zeros(len(seqs), dtype=torch.bool) for K in loops_list}

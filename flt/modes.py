@@ -300,14 +300,10 @@ def tasks_mode(settings, job):
 
     def run():
         progress = progress_of(job, f"{task.name} accuracy", len(batches) + n_exit)
-        accuracy, overall, answers = job.metrics.tasks(job.model, batches, task.levels, job.loops,
-                                                       progress)
-        results = {}
-        for K, by_level in accuracy.items():
-            levels = {str(d): a for d, a in by_level.items()}
-            results[K] = {"task_acc": overall[K], "task_acc_by_difficulty": levels}
-            print0(f"{task.name} K={K}: accuracy {overall[K]:.4f}; by difficulty "
-                   + " ".join(f"{d}:{a:.2f}" for d, a in levels.items()))
+        results, answers = job.metrics.tasks(job.model, batches, task.levels, job.loops, progress)
+        for K, r in results.items():
+            print0(f"{task.name} K={K}: accuracy {r['task_acc']:.4f}; by difficulty "
+                   + " ".join(f"{d}:{a:.2f}" for d, a in r["task_acc_by_difficulty"].items()))
         # depth per token (eval_settings.exit_plan): each rule's accuracy and loops per answer
         task_exit = {}
         for rule, thresholds in job.exits.items():
@@ -320,7 +316,7 @@ def tasks_mode(settings, job):
         if task_exit:
             results.setdefault(K_max, {})["task_exit"] = task_exit
         return results, {"task": task.name, "difficulty": task.D, "items": settings.task_items,
-                         "answers": {str(d): n for d, n in answers.items()}}
+                         "answers": answers}
     exits = ""
     if job.exits:
         exits = f"; and {n_exit} forwards under exit rules {exits_named(job.exits)}"

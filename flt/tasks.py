@@ -38,8 +38,10 @@ A task run, end to end, with every call it makes outside this file:
   `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
 - scoring (eval.py's tasks mode, run by flt/modes.py: tasks_mode): eval.py's `evaluate_tasks` on
   `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
-  at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer);
-  eval.json's task_acc pools every answer, task_acc_by_difficulty is one accuracy per level.
+  at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer).
+  It returns eval.json's entries at each K, which eval.py's main merges into eval.json by (K,
+  metric) like every mode's: task_acc pools every answer, task_acc_by_difficulty is one accuracy
+  per level; under exit rules, eval.py's `evaluate_task_exit` gives task_exit, at the largest K.
 """
 import hashlib
 import itertools

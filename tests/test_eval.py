@@ -1166,7 +1166,7 @@ def _worker(rank, world, port, bundle, out_dir):
               "ppl": ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2),
               "core": ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None),
               "exit": ev.evaluate_exit(model, batches[rank::world], TOK.token_bytes(), 3, [0.0, 1e-3]),
-              "tasks": ev.evaluate_tasks(model, task_batches[rank::world], [1, 2, 3], [1, 3])[1]}
+              "tasks": ev.evaluate_tasks(model, task_batches[rank::world], [1, 2, 3], [1, 3])[0]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()  # no rank tears gloo down while the other still talks to it
@@ -1187,13 +1187,14 @@ def test_distributed_shares_match_one_process(tmp_path):
     ppl = ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2)
     core = ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
     exit_curve = ev.evaluate_exit(model, batches, TOK.token_bytes(), 3, [0.0, 1e-3])
-    tasks = ev.evaluate_tasks(model, task_batches, [1, 2, 3], [1, 3])[1]
+    tasks = ev.evaluate_tasks(model, task_batches, [1, 2, 3], [1, 3])[0]
     for K in (1, 3):
         assert r0["bpb"][str(K)] == pytest.approx(bpb[K], rel=1e-5)
         assert r0["ppl"][str(K)] == pytest.approx(ppl[K], rel=1e-5)
         assert r0["core"][str(K)]["CORE"] == pytest.approx(core[K]["CORE"])
         # a share of right answers: a count over a count, equal whatever the ranks' split
-        assert r0["tasks"][str(K)] == tasks[K] and 0 < tasks[1] < tasks[3] < 1
+        assert r0["tasks"][str(K)] == tasks[K]
+    assert 0 < tasks[1]["task_acc"] < tasks[3]["task_acc"] < 1
     for shared, whole in zip(r0["exit"], exit_curve, strict=True):
         assert shared["val_bpb"] == pytest.approx(whole["val_bpb"], rel=1e-5)
         assert shared["mean_loops"] == pytest.approx(whole["mean_loops"], rel=1e-12)

@@ -156,7 +156,7 @@ def test_accuracy_equals_a_hand_count():
     task = task_of("chains", 2, 20)
     model = tiny_model(task)
     batches = task.batches(13 * task.item_len, 5, difficulty=True)
-    accuracy, overall, answers = evaluation.evaluate_tasks(model, batches, task.levels, [1, 3])
+    results, answers = evaluation.evaluate_tasks(model, batches, task.levels, [1, 3])
     for K in (1, 3):
         right, count = {d: 0 for d in task.levels}, {d: 0 for d in task.levels}
         for x, y, d in batches:
@@ -166,10 +166,12 @@ def test_accuracy_equals_a_hand_count():
                 if y[b, t] >= 0:
                     count[int(d[b, t])] += 1
                     right[int(d[b, t])] += int(pred[b, t] == y[b, t])
-        assert answers == count and sum(count.values()) == 13 * 3 * 3
-        assert accuracy[K] == {level: right[level] / count[level] for level in task.levels}
-        assert overall[K] == pytest.approx(sum(right.values()) / sum(count.values()), abs=1e-15)
-    assert accuracy[1] != accuracy[3]
+        assert answers == {str(d): n for d, n in count.items()} and sum(count.values()) == 13 * 3 * 3
+        by_level = {str(level): right[level] / count[level] for level in task.levels}
+        assert results[K]["task_acc_by_difficulty"] == by_level
+        overall = sum(right.values()) / sum(count.values())
+        assert results[K]["task_acc"] == pytest.approx(overall, abs=1e-15)
+    assert results[1] != results[3]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -177,10 +179,10 @@ def test_the_one_pass_K_sweep_equals_separate_passes(variant):
     task = task_of("s3", 6, 14)
     model = tiny_model(task, variant, loops=3)
     batches = task.batches(40 * task.item_len, 8, difficulty=True)
-    swept, swept_all, _ = evaluation.evaluate_tasks(model, batches, task.levels, [1, 2, 3, 6, 12])
+    swept, _ = evaluation.evaluate_tasks(model, batches, task.levels, [1, 2, 3, 6, 12])
     for K in (1, 2, 3, 6, 12):
-        alone, alone_all, _ = evaluation.evaluate_tasks(model, batches, task.levels, [K])
-        assert alone[K] == swept[K] and alone_all[K] == swept_all[K]
+        alone, _ = evaluation.evaluate_tasks(model, batches, task.levels, [K])
+        assert alone[K] == swept[K]
 
 
 SETTINGS = dict(dataset="chains", task_difficulty=4, sequence_len=64, tokenizer="bpe",
