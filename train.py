@@ -112,10 +112,7 @@ out_dir = settings["out_dir"] = planning.out_dir_of(settings)
 # The process: torchrun's rank and world size, this rank's device, its precision (flt/runtime.py);
 # rank 0, the master, prints, logs, and writes what the ranks share
 rt = runtime.setup(device)
-rank = rt.rank
-world_size = rt.world
-master = rt.master
-device = rt.device
+rank, world_size, master, device = rt.rank, rt.world, rt.master, rt.device
 cuda = rt.device_type == "cuda"
 dtype = runtime.resolve_dtype(dtype, rt.device_type)
 
@@ -282,7 +279,9 @@ guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_na
 # a step's seconds by the host's clock (no sync), evaluations and saves left out
 timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; the schedules, forward and backward over the
-# micro-batches; the one reduction and the one host read; clip and step; log.
+# micro-batches; the one reduction and the one host read; clip and step; log. guard.flags()
+# (preempted, interrupted, save_due) and watch.tensors() are 0-d device tensors built with no read
+# (tests/test_host_syncs.py counts one a step); guard.stop_before_update logs "diverged", exits 1.
 while True:
     last_step = step == num_steps  # it only evaluates and saves: step num_steps is the final model
     record = {"step": step}
