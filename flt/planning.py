@@ -145,6 +145,12 @@ def check_settings(s, defaults):
         bad("loops_max", f"an integer >= loops_min={s['loops_min']} >= 1 with loops_sampler='uniform'")
     if sampler == "lognormal_poisson" and s["loops"] < 2:
         bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
+    # LT reads the token embedding in loop 1 only (model.py: restart): truncated backprop that can
+    # leave loop 1 without a graph leaves the embedding without a gradient
+    k_max = s["loops"] if fixed else s["loops_max"]
+    if s["variant"] == "LT" and s["bptt_loops"] != -1 and (k_max == -1 or k_max > s["bptt_loops"]):
+        bad("bptt_loops", "-1 with variant='LT' while K can exceed it: LT reads the token embedding in "
+                          "loop 1 only, which would then run without a graph, so the embedding never trains")
     if s["divergence_nats"] <= 0:
         bad("divergence_nats", "a positive number of nats")
     for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "grad_clip"):

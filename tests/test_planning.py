@@ -169,7 +169,8 @@ def test_the_defaults_and_every_allowed_choice_pass():
                     dict(loops_sampler="uniform", loops_min=2, loops_max=5), dict(bptt_loops=2),
                     dict(loops_sampler="lognormal_poisson", loops=2, loops_max=9), dict(keep_checkpoints=0),
                     dict(depth=4, n_kv_head=1), dict(watch_layer=2), dict(divergence_window=5, divergence_nats=0.5),
-                    dict(save_interval_minutes=0.5), dict(resume="auto")):
+                    dict(save_interval_minutes=0.5), dict(resume="auto"), dict(variant="LT_i", bptt_loops=2),
+                    dict(variant="LT", loops_sampler="uniform", loops_min=1, loops_max=2, bptt_loops=2)):
         before_data(**changes)
     assert [resolve_dtype("auto", t) for t in ("cuda", "cpu", "mps")] == ["bf16", "fp32", "fp32"]
 
@@ -197,6 +198,10 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(loops_sampler="uniform", loops_min=4, loops_max=2), "loops_max=2: expected an integer >= loops_min=4"),
     (dict(loops_sampler="lognormal_poisson", loops=1), "loops=1: expected an integer >= 2"),
     (dict(loops=0), "loops=0: expected a positive integer"),
+    # LT reads the token embedding in loop 1 only: a truncated loop 1 leaves it without a gradient
+    (dict(variant="LT", bptt_loops=2), "bptt_loops=2: expected -1 with variant='LT' while K can exceed it"),
+    (dict(variant="LT", loops_sampler="uniform", loops_min=1, loops_max=5, bptt_loops=4), "bptt_loops=4: expected -1"),
+    (dict(variant="LT", loops_sampler="lognormal_poisson", loops=2, bptt_loops=4), "bptt_loops=4: expected -1"),
 ])
 def test_bad_values_fail_before_data_naming_the_setting(changes, match):
     if changes.get("device") == "cuda" and torch.cuda.is_available():

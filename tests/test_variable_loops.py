@@ -81,6 +81,18 @@ def test_truncated_backprop_equals_detaching_the_early_loops(variant):
     assert any(not torch.allclose(grads["bptt"][n], grads["full"][n]) for n in grads["bptt"])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_truncated_backprop_reaches_the_embedding_unless_only_loop_1_reads_it(variant):
+    """LT reads e in loop 1 alone (model.py: restart): truncated to the last loops, its token
+    embedding gets no gradient (train.py refuses LT with bptt_loops, flt/planning.py); every other
+    variant's later loops read e, and so train it."""
+    model = make_model(variant).train()
+    model(random_tokens(2, 12), random_tokens(2, 12, seed=1), loops=3, bptt_loops=2).backward()
+    reached = model.transformer.wte.weight.grad is not None
+    assert reached == (variant != "LT")
+    assert all(p.grad is not None for n, p in model.named_parameters() if "wte" not in n)
+
+
 @pytest.mark.parametrize("bptt_loops", [0, -1, 2.0])
 def test_bptt_loops_is_checked_by_the_forward_that_uses_it(bptt_loops):
     # the one check of train.py's bptt_loops (train.py passes -1 as None; the loop-sampler and inert
