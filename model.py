@@ -203,8 +203,8 @@ class Block(nn.Module):
 
     def forward(self, x, rope, h_prev=None, inject=None, kv_update=None):
         """One layer; inject, one of INJECTIONS, is how it sees h_prev = h(t-1). These branches
-        are the model's only reading of those names (the float64 references in tests/ have their
-        own). kv_update: decoding's (CausalSelfAttention)."""
+        are the only place the model acts on those names (the float64 references in tests/ have
+        their own). kv_update: decoding's (CausalSelfAttention)."""
         # "res" (FLT_res): add the previous loop's output to the stream, renormalise
         if inject == "res":
             x = norm(x + h_prev)

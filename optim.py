@@ -171,9 +171,9 @@ class _Sharded(torch.optim.Optimizer):
 class Muon(_Sharded):
     """Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan et al., 2024).
 
-    SGD with momentum steps along the momentum M, whose spectrum is dominated by a few large
-    singular directions, already being learned. Muon flattens the spectrum: it replaces
-    M = U S V^T by U V^T, so every singular direction moves by the same amount, approximated by
+    SGD with momentum steps along M (below: Nesterov's g + momentum * buf), whose spectrum is
+    dominated by a few large singular directions, already being learned. Muon flattens it: it
+    replaces M = U S V^T by U V^T, so every singular direction moves alike, approximated by
     a few Newton-Schulz steps (zeropower_via_newtonschulz5) instead of an SVD, in ns_dtype.
 
     Per step, for each matrix p with averaged gradient g:

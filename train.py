@@ -279,9 +279,10 @@ guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_na
 # a step's seconds by the host's clock (no sync), evaluations and saves left out
 timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; the schedules, forward and backward over the
-# micro-batches; the one reduction and the one host read; clip and step; log. guard.flags()
-# (preempted, interrupted, save_due) and watch.tensors() are 0-d device tensors built with no read
-# (tests/test_host_syncs.py counts one a step); guard.stop_before_update logs "diverged", exits 1.
+# micro-batches; the one reduction and the one host read; clip and step; log. to_sum: the loss,
+# the last micro-batch's loop norms summed (finite?), the guard's 0/1 host signals (preempted,
+# interrupted, save_due). watch.tensors(): 0-d device tensors, no read (tests/test_host_syncs.py:
+# one read a step). A step not finite: guard.stop_before_update logs it, every rank exits 1.
 while True:
     last_step = step == num_steps  # it only evaluates and saves: step num_steps is the final model
     record = {"step": step}
@@ -314,15 +315,15 @@ while True:
             loss = loss / grad_accum
         loss.backward()
         train_loss += loss.detach()
-    # The reduction (optim.py): gradients averaged; one all-reduce sums norms' shares, to_sum, flags
-    to_sum = {"loss": train_loss / world_size, "top_norm": looped.resid_norms.max()}
-    sq_norms, sums = reduce_gradients(optimizers, to_sum | guard.flags())
+    # The reduction (optim.py): gradients averaged; one all-reduce sums norms' shares and to_sum
+    to_sum = {"loss": train_loss / world_size, "resid_norm_sum": looped.resid_norms.sum()}
+    to_sum |= {k: torch.full((), v, device=device) for k, v in guard.signals().items()}
+    sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
     # The one host read, one .tolist(): these 0-d tensors and watch's logged norms (device tensors)
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
-    # Not all finite (top_norm: last micro-batch's top loop norm, rank-summed): exit 1, no update
-    if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "top_norm")):
+    if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "resid_norm_sum")):
         guard.stop_before_update(step, numbers)
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:
@@ -330,7 +331,7 @@ while True:
     model.zero_grad(set_to_none=True)  # None, not zeros: frees the memory until the backward
     dt = timer.lap()
     # a preemption or a save due on any rank (the ranks agreed): acted on at the next pass's start
-    guard.take_flags(numbers)
+    guard.take_signals(numbers)
 
     # Log every step to log.jsonl, a line every log_interval steps (flt/diagnostics.py): grad_norm,
     # grad_<module> (Figs. 3, 8), loop norms (rank 0's last micro-batch), tok/s, MFU, CUDA memory

@@ -3,20 +3,18 @@ signal and its requeue exit, time-based checkpoints, the last good checkpoint, a
 non-finite step, divergence; and, when the requeued job starts again, where it resumes.
 
     guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, ...)
-    to_sum | guard.flags()                  # this rank's signal and clock, for the all-reduce
+    guard.signals()                         # this rank's signal and clock (0/1), for the all-reduce
     guard.stop_before_update(step, numbers)  # a step not finite: every rank, before the update
-    guard.take_flags(numbers)               # what the ranks agreed: a preemption, a save due
+    guard.take_signals(numbers)             # what the ranks agreed: a preemption, a save due
     if ... or guard.save_due: guard.save(step)  # printed; a full disk stops every rank, one message
     guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues;
                                                 # after a Ctrl-C, INTERRUPTED (130): no requeue
     guard.watch_divergence(step, loss)      # the smoothed loss far above its minimum: exit 3
 
-Every rank takes the same decision at the same step: the flags are summed by the all-reduce the
+Every rank takes the same decision at the same step: the signals are summed by the all-reduce the
 step runs anyway, so one signalled rank (or one node's faster clock) is enough for all of them, and
 every stop names the last good checkpoint. docs/operations.md has the exit codes and the requeue.
 """
-
-import torch
 
 from flt import checkpoint, cluster, diagnostics, planning, runtime
 from flt.runtime import print0
@@ -48,17 +46,15 @@ class Guard:
         """A checkpoint the ranks agreed on at the last step: the clock's, or a preemption's."""
         return self.clock_due or self.preempted
 
-    def flags(self):
-        """{name: 0-d tensor}: this rank's signal (a Ctrl-C flagged also as "interrupted") and
-        clock, for the step's all-reduce to sum (no host copy): any rank's 1 makes every rank's sum
-        positive."""
-        mine = {"preempted": self.preemption.requested, "interrupted": self.preemption.interrupted,
-                "save_due": self.clock.due()}
-        device = self.rt.device
-        return {name: torch.full((), float(flag), device=device) for name, flag in mine.items()}
+    def signals(self):
+        """{"preempted", "interrupted", "save_due"}: 1.0 or 0.0, this rank's signal (a Ctrl-C is
+        also "interrupted") and clock, host numbers for train.py's step all-reduce to sum: any
+        rank's 1 makes every rank's sum positive."""
+        return {"preempted": float(self.preemption.requested),
+                "interrupted": float(self.preemption.interrupted), "save_due": float(self.clock.due())}
 
-    def take_flags(self, numbers):
-        """What the ranks agreed, from the step's one host read (`numbers`: the flags summed over
+    def take_signals(self, numbers):
+        """What the ranks agreed, from the step's one host read (`numbers`: the signals summed over
         the ranks): a preemption, a Ctrl-C, a save the clock asks for; acted on at the next step's
         start."""
         self.preempted = numbers["preempted"] > 0
@@ -67,14 +63,14 @@ class Guard:
 
     def stop_before_update(self, step, numbers):
         """Stop every rank, before the optimizer step, of a step whose read `numbers` (loss,
-        grad_norm, top_norm: the ranks' sum of their last micro-batch's largest loop norm) are not
+        grad_norm, resid_norm_sum: the ranks' sum of their last micro-batch's loop norms) are not
         all finite (train.py checks): the parameters stay those of a good step, logged as
         diverged. Every rank decides alike: the numbers are the all-reduced ones. An overflowed
         stream can give a finite, useless loss, so the residual norm is checked too."""
         loss, grad_norm = numbers["loss"], numbers["grad_norm"]
         self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
-        self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norm "
-                  f"{numbers['top_norm']}: not finite; stopped before the optimizer step, so the "
+        self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norms' sum "
+                  f"{numbers['resid_norm_sum']}: not finite; stopped before the optimizer step, so the "
                   "parameters were not updated", 1)
 
     def save(self, step):

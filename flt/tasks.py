@@ -36,12 +36,14 @@ A task run, end to end, with every call it makes outside this file:
   of the logits at position i against y[i], -1 skipped, so one loss serves text and tasks alike;
 - validation (train.py's validate): eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by
   `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
-- scoring (eval.py's tasks mode, run by flt/modes.py: tasks_mode): eval.py's `evaluate_tasks` on
-  `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
-  at position i against y[i] at each K, counted by `Task.levels` (the difficulty of each answer).
-  It returns eval.json's entries at each K, which eval.py's main merges into eval.json by (K,
-  metric) like every mode's: task_acc pools every answer, task_acc_by_difficulty is one accuracy
-  per level; under exit rules, eval.py's `evaluate_task_exit` gives task_exit, at the largest K.
+- scoring (eval.py's tasks mode, run by flt/modes.py: tasks_mode): the task rebuilt by `task_of`
+  from the settings the checkpoint saved; eval.py's `evaluate_tasks` on `Task.batches(task_items *
+  item_len, batch_size, rank, world_size, difficulty=True)`: the argmax at position i against y[i]
+  at each K, counted by `Task.levels` (the difficulty of each answer). It returns eval.json's
+  entries at each K, which eval.py's main merges into eval.json by (K, metric) like every mode's:
+  task_acc pools every answer, task_acc_by_difficulty is one accuracy per level (named
+  task_acc[task_items=N] when task_items is not its default); under exit rules, eval.py's
+  `evaluate_task_exit` gives task_exit, at the largest K.
 """
 import hashlib
 import itertools

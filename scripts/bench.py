@@ -357,8 +357,8 @@ def syncs():
         with autocast:
             loss, looped = model(idx, idx, return_loops=True)
         loss.backward()
-        flags = {name: torch.full((), 0.0, device=device) for name in ("preempted", "save_due")}
-        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "top_norm": looped.resid_norms.max()} | flags)
+        signals = {name: torch.full((), 0.0, device=device) for name in ("preempted", "interrupted", "save_due")}
+        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid_norm_sum": looped.resid_norms.sum()} | signals)
         grad_norm = torch.stack(list(norms.values())).double().sum().sqrt()
         tensors = {"grad_norm": grad_norm, **summed, **watch.tensors(norms, looped)}
         numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))

@@ -46,7 +46,7 @@ MUTANTS = [
     ("train.py", "loss = loss / grad_accum", "loss = loss", RECIPE),
     ("train.py", "train_loss += loss.detach()", "train_loss = loss.detach() * grad_accum", RECIPE),
     ("train.py", '{"loss": train_loss / world_size,', '{"loss": train_loss,', RECIPE),
-    ("train.py", 'for k in ("loss", "grad_norm", "top_norm")', 'for k in ("loss", "grad_norm")',
+    ("train.py", 'for k in ("loss", "grad_norm", "resid_norm_sum")', 'for k in ("loss", "grad_norm")',
      ["tests/test_train.py::test_a_dead_model_stops_with_a_nonzero_exit"]),
     ("train.py", ".double().sum().sqrt()", ".double().sum()", RECIPE),
     ("train.py", 'clip = clip_coefficient(numbers["grad_norm"], grad_clip)',

@@ -36,30 +36,27 @@ def stops(capsys, call):
 
 
 def flags(preempted=0.0, save_due=0.0, interrupted=0.0):
-    """The step's read numbers the guard takes: its flags, summed over the ranks."""
+    """The step's read numbers the guard takes: its signals, summed over the ranks."""
     return {"preempted": preempted, "interrupted": interrupted, "save_due": save_due, "loss": 3.0,
-            "grad_norm": 1.0, "top_norm": 1.0}
+            "grad_norm": 1.0, "resid_norm_sum": 1.0}
 
 
-def test_the_flags_are_this_ranks_signal_and_clock(make_guard):
+def test_the_signals_are_this_ranks_signal_and_clock(make_guard):
     guard = make_guard(save_interval_minutes=1e-9)
-    flags = guard.flags()
-    assert list(flags) == ["preempted", "interrupted", "save_due"]
-    assert all(f.dim() == 0 for f in flags.values())
-    assert flags["preempted"].item() == 0.0 and flags["save_due"].item() == 1.0
+    assert guard.signals() == {"preempted": 0.0, "interrupted": 0.0, "save_due": 1.0}
     os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets a flag
-    assert guard.flags()["preempted"].item() == 1.0 and guard.preemption.signal == "SIGUSR1"
-    assert guard.flags()["interrupted"].item() == 0.0
-    assert make_guard().flags()["save_due"].item() == 0.0  # 0 minutes: no time-based saves
+    assert guard.signals()["preempted"] == 1.0 and guard.preemption.signal == "SIGUSR1"
+    assert guard.signals()["interrupted"] == 0.0
+    assert make_guard().signals()["save_due"] == 0.0  # 0 minutes: no time-based saves
 
 
 def test_what_the_ranks_agreed_decides_the_save(make_guard):
     guard = make_guard()
-    guard.take_flags(flags(save_due=2.0))  # two ranks' clocks were due: a save, no exit
+    guard.take_signals(flags(save_due=2.0))  # two ranks' clocks were due: a save, no exit
     assert guard.save_due and not guard.preempted
-    guard.take_flags(flags(preempted=1.0))  # another rank was signalled
+    guard.take_signals(flags(preempted=1.0))  # another rank was signalled
     assert guard.save_due and guard.preempted
-    guard.take_flags(flags())
+    guard.take_signals(flags())
     assert not guard.save_due
 
 
@@ -68,10 +65,10 @@ def test_what_the_ranks_agreed_decides_the_save(make_guard):
 def test_a_non_finite_step_stops_every_rank_before_the_update(make_guard, capsys, loss, grad_norm,
                                                               resid):
     guard = make_guard(last_good="out/step_000004")
-    numbers = {"loss": loss, "grad_norm": grad_norm, "top_norm": resid}
+    numbers = {"loss": loss, "grad_norm": grad_norm, "resid_norm_sum": resid}
     code, err = stops(capsys, lambda: guard.stop_before_update(7, numbers))
     assert code == 1
-    assert err == (f"step 7: loss {loss}, gradient norm {grad_norm}, residual norm {resid}: not "
+    assert err == (f"step 7: loss {loss}, gradient norm {grad_norm}, residual norms' sum {resid}: not "
                    "finite; stopped before the optimizer step, so the parameters were not updated. "
                    "Last good checkpoint: out/step_000004")
     assert guard.log.records[-1]["diverged"] is True and guard.log.records[-1]["step"] == 7
@@ -107,7 +104,7 @@ def test_a_stopped_run_leaves_after_its_checkpoint_with_75_or_after_a_ctrl_c_130
     guard.leave_if_preempted(9, last_step=False)  # not preempted: nothing happens
     if own:
         os.kill(os.getpid(), own)  # this rank's own signal
-    guard.take_flags(summed)  # what every rank reads
+    guard.take_signals(summed)  # what every rank reads
     guard.leave_if_preempted(10, last_step=True)  # the last step's checkpoint is the run
     exit_code, err = stops(capsys, lambda: guard.leave_if_preempted(10, last_step=False))
     assert exit_code == code
@@ -124,8 +121,7 @@ def test_a_ctrl_c_asks_for_the_same_stop_and_says_so_at_once(make_guard, capfd):
     os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: the handler sets a flag, and says so
     assert capfd.readouterr().err == cluster.SAVING + "\n"
     assert guard.preemption.signal == "SIGINT" and guard.preemption.interrupted
-    assert {k: f.item() for k, f in guard.flags().items()} == {"preempted": 1.0, "interrupted": 1.0,
-                                                               "save_due": 0.0}
+    assert guard.signals() == {"preempted": 1.0, "interrupted": 1.0, "save_due": 0.0}
 
 
 def test_divergence_stops_after_the_window_and_is_watched_without_one(make_guard, capsys):
