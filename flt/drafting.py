@@ -88,20 +88,23 @@ def check_draft(K, draft_loops, draft_len, cache_slots=None, exit_threshold=None
 
 def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temperature=0.0,
                      top_k=None, rng=None, attention_mask=None, stats=None, decode=None):
-    """Yield (B, n) tokens, n >= 1 per round, max_new_tokens in all: those of K-loop decoding
-    (greedy: the same tokens; sampling: the same distribution). A round drafts up to draft_len
-    tokens with loops 1..K_d, verifies them with loops K_d+1..K in one forward, keeps the
-    longest prefix every row confirms, and ends with the K-loop model's own token (all confirmed:
-    the last draft is that token). The cache
-    is rewound past the rest: its entries there are overwritten before any query reads them.
-    decode: the steps' path (Decoder). stats (a dict): rounds, drafted and accepted tokens per
-    row, and the cache."""
+    """Yield (B, n) tokens, n >= 1 per round, max_new_tokens in all (0: none): those of K-loop
+    decoding (greedy: the same tokens; sampling: the same distribution). A round drafts up to
+    draft_len tokens with loops 1..K_d, verifies them with loops K_d+1..K in one forward, keeps
+    the longest prefix every row confirms, and ends with the K-loop model's own token (all
+    confirmed: the last draft is that token). The cache's entries past the kept tokens are
+    overwritten before any query reads them. decode: the steps' path (Decoder). stats (a dict):
+    rounds, drafted, accepted (the drafts each row confirmed, the rows' mean: more than those
+    emitted when another row confirmed fewer), and the cache."""
     K_d, B = draft_loops, idx.size(0)
     # step(tokens, span): the span's loops over tokens at the cache's position -> Step(h, logits)
     step = Decoder(model, idx, K, decode, attention_mask)
     cache = step.cache
     counts = {} if stats is None else stats
     counts.update(rounds=0, drafted=0, accepted=0, cache=cache)
+    # none asked for: none emitted, as K-loop decoding
+    if max_new_tokens < 1:
+        return
     token = choose(model(idx, loops=K, kv_cache=cache)[:, -1], temperature, top_k, rng)
     yield token
     done = 1

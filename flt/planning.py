@@ -19,7 +19,7 @@ import data
 from flt import owndata
 from flt import tasks
 from flt import tracking
-from model import ATTNS, VARIANTS
+from model import ATTNS, VARIANTS, norm, restart
 from optim import LOOP_SAMPLERS
 from flt.runtime import dtype_bytes, resolve_dtype
 
@@ -112,6 +112,13 @@ RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_in
              "log_interval"}
 
 
+def e_in_loop_1_only(variant):
+    """Whether `variant` reads the token embedding e in loop 1 alone: its restart of loops t >= 2
+    (model.py: restart) does not depend on e."""
+    e = torch.ones(4, requires_grad=True)
+    return not restart(variant, e, norm(e), torch.ones(4)).requires_grad
+
+
 def check_settings(s, defaults):
     """ValueErrors that name the setting: values out of range, and settings that would do nothing (set
     to other than their `defaults` where nothing reads them). A value checked where it is used is not
@@ -145,12 +152,13 @@ def check_settings(s, defaults):
         bad("loops_max", f"an integer >= loops_min={s['loops_min']} >= 1 with loops_sampler='uniform'")
     if sampler == "lognormal_poisson" and s["loops"] < 2:
         bad("loops", "an integer >= 2 with loops_sampler='lognormal_poisson' (loops is its mean)")
-    # LT reads the token embedding in loop 1 only (model.py: restart): truncated backprop that can
-    # leave loop 1 without a graph leaves the embedding without a gradient
+    # a variant whose later loops restart without e (LT) reads the token embedding in loop 1 only:
+    # truncated backprop that can leave loop 1 without a graph leaves the embedding no gradient
     k_max = s["loops"] if fixed else s["loops_max"]
-    if s["variant"] == "LT" and s["bptt_loops"] != -1 and (k_max == -1 or k_max > s["bptt_loops"]):
-        bad("bptt_loops", "-1 with variant='LT' while K can exceed it: LT reads the token embedding in "
-                          "loop 1 only, which would then run without a graph, so the embedding never trains")
+    if s["bptt_loops"] != -1 and (k_max == -1 or k_max > s["bptt_loops"]) and e_in_loop_1_only(s["variant"]):
+        bad("bptt_loops", f"-1 with variant={s['variant']!r} while K can exceed it: its loops after the first "
+                          "restart without the token embedding (model.py: restart), so only loop 1 reads it; "
+                          "run without a graph, the embedding would never train")
     if s["divergence_nats"] <= 0:
         bad("divergence_nats", "a positive number of nats")
     for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "grad_clip"):

@@ -199,7 +199,8 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(loops_sampler="lognormal_poisson", loops=1), "loops=1: expected an integer >= 2"),
     (dict(loops=0), "loops=0: expected a positive integer"),
     # LT reads the token embedding in loop 1 only: a truncated loop 1 leaves it without a gradient
-    (dict(variant="LT", bptt_loops=2), "bptt_loops=2: expected -1 with variant='LT' while K can exceed it"),
+    (dict(variant="LT", bptt_loops=2), "bptt_loops=2: expected -1 with variant='LT' while K can exceed it: its "
+                                       "loops after the first restart without the token embedding"),
     (dict(variant="LT", loops_sampler="uniform", loops_min=1, loops_max=5, bptt_loops=4), "bptt_loops=4: expected -1"),
     (dict(variant="LT", loops_sampler="lognormal_poisson", loops=2, bptt_loops=4), "bptt_loops=4: expected -1"),
 ])

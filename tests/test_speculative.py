@@ -41,6 +41,16 @@ def test_greedy_drafts_give_the_tokens_of_k_loop_decoding(variant, attention):
             assert torch.equal(got, exact), (draft_loops, draft_len)
 
 
+def test_drafting_emits_max_new_tokens_like_plain_decoding_even_none():
+    model = float64_model("FLT", "full")
+    ids, mask = padded_prompts()
+    for n in (0, 1, 2, 5):
+        with torch.no_grad():
+            plain = list(model.generate(ids, n, temperature=0, attention_mask=mask))
+            drafted = list(model.generate(ids, n, temperature=0, attention_mask=mask, draft_loops=1))
+        assert sum(t.size(1) for t in drafted) == sum(t.size(1) for t in plain) == n
+
+
 def test_a_trained_like_model_accepts_drafts_and_rows_advance_together():
     # a model whose loops barely move (the paper's FLT): the drafts are confirmed, whole rounds
     model = float64_model("FLT", "full")

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from flt.decoding import ExitRule
 from model import GPT, injection, norm, restart
 from optim import sample_loops
-from test_model import ATTENTION, VARIANTS, make_config, make_model, random_tokens
+from flt.planning import e_in_loop_1_only
+from test_model import ATTENTION, REFERENCE_RULES, VARIANTS, make_config, make_model, random_tokens
 from test_train import losses, runner, train
 
 
@@ -83,13 +84,15 @@ def test_truncated_backprop_equals_detaching_the_early_loops(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_truncated_backprop_reaches_the_embedding_unless_only_loop_1_reads_it(variant):
-    """LT reads e in loop 1 alone (model.py: restart): truncated to the last loops, its token
-    embedding gets no gradient (train.py refuses LT with bptt_loops, flt/planning.py); every other
-    variant's later loops read e, and so train it."""
+    """A variant whose later loops restart without e (by the float64 reference's rule: LT) reads
+    it in loop 1 alone: truncated to the last loops, its token embedding gets no gradient, and
+    train.py refuses it (flt/planning.py: e_in_loop_1_only); every other variant trains it."""
     model = make_model(variant).train()
     model(random_tokens(2, 12), random_tokens(2, 12, seed=1), loops=3, bptt_loops=2).backward()
     reached = model.transformer.wte.weight.grad is not None
-    assert reached == (variant != "LT")
+    e = torch.ones(4, requires_grad=True)
+    later_loops_read_e = REFERENCE_RULES[variant][0](e, torch.ones(4), norm).requires_grad
+    assert reached == later_loops_read_e == (not e_in_loop_1_only(variant))
     assert all(p.grad is not None for n, p in model.named_parameters() if "wte" not in n)
 
 
