@@ -437,7 +437,7 @@ class GPT(nn.Module):
     def estimate_flops(self, loops=None, bptt_loops=None):
         """Training FLOPs per token (forward + backward = 3x forward = 6 per weight). The blocks
         run K times; the LM head once per supervised loop; attention scores cost
-        12 * d_model * (visible keys) per layer and loop (nanochat's convention). With truncated
+        12 * d_model * (window, or sequence_len) per layer and loop (nanochat's). With truncated
         backpropagation the loops before the last bptt_loops run forward only, 2 FLOPs per weight
         (and a third of the attention cost); the head on such a loop takes 4 (forward, and its
         weight's gradient: no gradient flows into that h)."""
