@@ -53,7 +53,7 @@ class GPTConfig:
     n_head: GQA. loops: K, which forward(loops=...) overrides per call. attn: full or mla
     (latent rank kv_rank). window_pattern: L = full causal, S = a window of sequence_len // 4,
     tiled, last layer full. loss_all_loops: train on the mean loss of every loop, not only the
-    last. checkpoint_loops: recompute each loop in backward (memory ~ one loop)."""
+    last. checkpoint_loops: recompute each loop in backward (one loop's activations at a time)."""
     sequence_len: int = 1024
     vocab_size: int = 151669
     n_layer: int = 12
@@ -301,11 +301,11 @@ class GPT(nn.Module):
                 nn.init.uniform_(p, -s, s)
 
     def loop_states(self, idx, loops=None, bptt_loops=None):
-        """The loop (Sec. 4), one body for every variant. Returns Loops: the states
-        [h(1), ..., h(K)] of one pass, h(t) = norm(stream after loop t), each a prediction point
-        (head). bptt_loops: truncated backprop, only the last bptt_loops loops learn (None: all).
-        Decoding runs the same loop with a KV cache, the exit rule and the draft's partial passes:
-        flt/decoding.py: cached_loops, held to this one by tests/test_loop_cache.py."""
+        """The loop (Sec. 4), one body for every variant: Loops, whose states [h(1), ..., h(K)],
+        h(t) = norm(stream after loop t), are each a prediction point (head). bptt_loops: only the
+        last bptt_loops loops learn (None: all); LT's embedding, read in loop 1 alone, then gets no
+        gradient. Decoding runs this loop with a KV cache, the exit rule and draft spans
+        (flt/decoding.py: cached_loops), held to it by tests/test_loop_cache.py."""
         K = self.loop_count(loops)
         T = idx.size(1)
         check_inputs(T, K, None, bptt_loops, self.cos.size(0), self.config.sequence_len)
@@ -313,7 +313,7 @@ class GPT(nn.Module):
         # e: the raw embedding; loop 1 starts from x0 = norm(e)
         e = self.transformer.wte(idx)
         x0 = norm(e)
-        # checkpoint_loops: backward recomputes each loop's blocks (memory ~ one loop, not K)
+        # checkpoint_loops: backward recomputes each loop's blocks (one loop's activations, not K)
         blocks = self.blocks
         if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
             blocks = partial(checkpoint, self.blocks, use_reentrant=False)

@@ -316,14 +316,14 @@ while True:
         loss.backward()
         train_loss += loss.detach()
     # The reduction (optim.py): gradients averaged; one all-reduce sums norms' shares and to_sum
-    to_sum = {"loss": train_loss / world_size, "resid_norm_sum": looped.resid_norms.sum()}
+    to_sum = {"loss": train_loss / world_size, "resid_sum": looped.resid_norms.sum()}
     to_sum |= {k: torch.full((), v, device=device) for k, v in guard.signals().items()}
     sq_norms, sums = reduce_gradients(optimizers, to_sum)
     grad_norm = torch.stack(list(sq_norms.values())).double().sum().sqrt()
     # The one host read, one .tolist(): these 0-d tensors and watch's logged norms (device tensors)
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
-    if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "resid_norm_sum")):
+    if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "resid_sum")):
         guard.stop_before_update(step, numbers)
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:

@@ -83,7 +83,7 @@ class Watch:
         and if clipped "grad_<name>_clipped" (clip_grad_norm_ by the total to max_norm, then each
         module's norm)."""
         record = {f"grad_{k}": numbers[f"grad_{k}"] for k in self.modules}
-        record["resid_norms"] = [v for k, v in numbers.items() if k.startswith("resid_norm_")]
+        record["resid_norms"] = [v for k, v in numbers.items() if k.removeprefix("resid_norm_").isdigit()]
         if self.clipped:
             coef = clip_coefficient(numbers["own_total"], max_norm)
             record |= {f"grad_{k}_clipped": coef * numbers[f"own_{k}"] for k in self.modules}

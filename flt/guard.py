@@ -63,14 +63,14 @@ class Guard:
 
     def stop_before_update(self, step, numbers):
         """Stop every rank, before the optimizer step, of a step whose read `numbers` (loss,
-        grad_norm, resid_norm_sum: the ranks' sum of their last micro-batch's loop norms) are not
+        grad_norm, resid_sum: the ranks' sum of their last micro-batch's loop norms) are not
         all finite (train.py checks): the parameters stay those of a good step, logged as
         diverged. Every rank decides alike: the numbers are the all-reduced ones. An overflowed
         stream can give a finite, useless loss, so the residual norm is checked too."""
         loss, grad_norm = numbers["loss"], numbers["grad_norm"]
         self.log.write({"step": step, "diverged": True, "loss": loss, "grad_norm": grad_norm})
         self.fail(f"step {step}: loss {loss}, gradient norm {grad_norm}, residual norms' sum "
-                  f"{numbers['resid_norm_sum']}: not finite; stopped before the optimizer step, so the "
+                  f"{numbers['resid_sum']}: not finite; stopped before the optimizer step, so the "
                   "parameters were not updated", 1)
 
     def save(self, step):

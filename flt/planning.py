@@ -123,7 +123,7 @@ def check_settings(s, defaults):
     """ValueErrors that name the setting: values out of range, and settings that would do nothing (set
     to other than their `defaults` where nothing reads them). A value checked where it is used is not
     checked again here: device (runtime.setup), dtype (runtime.resolve_dtype), the model's shape
-    (GPTConfig), bptt_loops (the model's forward); keep_checkpoints by checkpoint.check_keep."""
+    (GPTConfig), bptt_loops' range (the model's forward); keep_checkpoints by checkpoint.check_keep."""
     def bad(key, allowed):
         raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",

@@ -23,7 +23,8 @@ Items are generated from a seed: item i of a run is the first draw of rng([seed,
 attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run see the same stream
 (the loader's state is the next item's index). The held-out test set is fixed by the task alone, and
 disjoint from training by construction: an item whose hash falls in the test bucket (one in
-TEST_BUCKET) is never a training item, and only such items are test items.
+TEST_BUCKET) is never a training item, and only such items are test items. A group task needs
+MIN_ITEMS distinct items for such a set (S3: difficulty >= 4, S5: >= 2); chains have far more.
 Each symbol is one character of a byte-level alphabet, and the vocabulary is a tokenizers
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
@@ -59,6 +60,8 @@ import data
 TASKS = ("s3", "s5", "chains")
 # one item in TEST_BUCKET is held out (by its hash)
 TEST_BUCKET = 8
+# a group task's distinct items (n!^D), at least: about MIN_ITEMS / TEST_BUCKET are held out
+MIN_ITEMS = 1000
 # the stream of test candidates (train streams: rng([seed, i, attempt]) with the run's seed)
 TEST_STREAM = 0x7E57
 DIGITS = string.digits
@@ -95,6 +98,11 @@ class Task:
             self.symbols = NAMES[:len(self.perms)]
             self.levels = list(range(1, difficulty + 1))
             need = self.item_len
+            if len(self.perms) ** difficulty < MIN_ITEMS:
+                least = math.ceil(math.log(MIN_ITEMS, len(self.perms)))
+                raise ValueError(f"task_difficulty={difficulty}: {name} has {len(self.perms) ** difficulty} "
+                                 f"distinct items of difficulty {difficulty}, too few to hold one in "
+                                 f"{TEST_BUCKET} out as a test set; use task_difficulty >= {least}")
         if need > seq_len:
             raise ValueError(f"task_difficulty={difficulty}: a {name} item of difficulty "
                              f"{difficulty} needs {need} tokens, more than sequence_len={seq_len}")

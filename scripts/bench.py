@@ -358,7 +358,7 @@ def syncs():
             loss, looped = model(idx, idx, return_loops=True)
         loss.backward()
         signals = {name: torch.full((), 0.0, device=device) for name in ("preempted", "interrupted", "save_due")}
-        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid_norm_sum": looped.resid_norms.sum()} | signals)
+        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid_sum": looped.resid_norms.sum()} | signals)
         grad_norm = torch.stack(list(norms.values())).double().sum().sqrt()
         tensors = {"grad_norm": grad_norm, **summed, **watch.tensors(norms, looped)}
         numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))

@@ -38,7 +38,7 @@ def stops(capsys, call):
 def flags(preempted=0.0, save_due=0.0, interrupted=0.0):
     """The step's read numbers the guard takes: its signals, summed over the ranks."""
     return {"preempted": preempted, "interrupted": interrupted, "save_due": save_due, "loss": 3.0,
-            "grad_norm": 1.0, "resid_norm_sum": 1.0}
+            "grad_norm": 1.0, "resid_sum": 1.0}
 
 
 def test_the_signals_are_this_ranks_signal_and_clock(make_guard):
@@ -65,7 +65,7 @@ def test_what_the_ranks_agreed_decides_the_save(make_guard):
 def test_a_non_finite_step_stops_every_rank_before_the_update(make_guard, capsys, loss, grad_norm,
                                                               resid):
     guard = make_guard(last_good="out/step_000004")
-    numbers = {"loss": loss, "grad_norm": grad_norm, "resid_norm_sum": resid}
+    numbers = {"loss": loss, "grad_norm": grad_norm, "resid_sum": resid}
     code, err = stops(capsys, lambda: guard.stop_before_update(7, numbers))
     assert code == 1
     assert err == (f"step 7: loss {loss}, gradient norm {grad_norm}, residual norms' sum {resid}: not "

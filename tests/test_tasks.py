@@ -195,6 +195,10 @@ DEFAULTS = SETTINGS | dict(dataset="embedded", task_difficulty=8, sample_tokens=
                                "tokens, more than sequence_len=64"),
     (dict(dataset="s3", task_difficulty=64), "needs 65 tokens, more than sequence_len=64"),
     (dict(task_difficulty=0), "task_difficulty=0: expected a positive integer"),
+    # too few distinct items to hold one in TEST_BUCKET out (s3 at 2: none fell in the bucket)
+    (dict(dataset="s3", task_difficulty=3), "task_difficulty=3: s3 has 216 distinct items of difficulty 3, "
+                                            "too few to hold one in 8 out as a test set; use task_difficulty >= 4"),
+    (dict(dataset="s5", task_difficulty=1), "s5 has 120 distinct items of difficulty 1, too few"),
     (dict(sample_tokens=64), "sample_tokens=64: dataset='chains' has no text to continue"),
     (dict(tokenizer="gpt2"), "tokenizer='gpt2' does nothing with dataset='chains'"),
     (dict(dataset="embedded", task_difficulty=3), "task_difficulty=3 does nothing unless"),
@@ -202,6 +206,16 @@ DEFAULTS = SETTINGS | dict(dataset="embedded", task_difficulty=8, sample_tokens=
 def test_bad_task_settings_name_the_setting(change, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         tasks.check_settings(SETTINGS | change, DEFAULTS)
+
+
+def test_the_smallest_group_task_allowed_holds_out_a_test_set():
+    """s3 at difficulty 4, the least allowed: of its 6^4 items, counted one by one, about one in
+    TEST_BUCKET is held out, and the test stream finds as many as asked (repeats allowed)."""
+    task = task_of("s3", 4, 16)
+    every = [[0, *(1 + g for g in gs)] for gs in itertools.product(range(6), repeat=4)]
+    held_out = sum(task.is_test(tokens) for tokens in every)
+    assert len(every) / tasks.TEST_BUCKET / 2 < held_out < 2 * len(every) / tasks.TEST_BUCKET
+    assert len(task.test_items(3 * held_out)) == 3 * held_out
 
 
 def test_train_and_eval_a_task_end_to_end(tmp_path):
