@@ -308,6 +308,7 @@ class GPT(nn.Module):
         (flt/decoding.py: cached_loops), held to it by tests/test_loop_cache.py."""
         K = self.loop_count(loops)
         T = idx.size(1)
+        # a ValueError for T past the RoPE table or a bptt_loops not an integer >= 1 (or None)
         check_inputs(T, K, None, bptt_loops, self.cos.size(0), self.config.sequence_len)
         rope = (self.cos[:T], self.sin[:T])
         # e: the raw embedding; loop 1 starts from x0 = norm(e)
@@ -319,8 +320,7 @@ class GPT(nn.Module):
             blocks = partial(checkpoint, self.blocks, use_reentrant=False)
         # truncated backprop (Huginn): loops 1..frozen run as constants, the last bptt_loops learn
         frozen = K - (bptt_loops or K)
-        hs, norms = [], []
-        h_prev = None
+        hs, norms, h_prev = [], [], None
         for t in range(1, K + 1):
             with torch.no_grad() if t <= frozen else nullcontext():
                 # where loop t starts and how each layer sees h(t-1): the variant's choices
