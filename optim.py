@@ -13,13 +13,12 @@ The contract (no DDP: the optimizers own the gradient reduction), alike in one p
      clip coefficient, 1.0 = none); all ranks end with the same parameters. It consumes the
      gradients (one process scales p.grad in place): zero them next. step() alone reduces first.
 Traffic for P parameter elements: a reduce-scatter (AVG, gloo's too) of the gradients to the pieces
-rank updates and an all-gather of the updated pieces, 2P and padding as DDP's all-reduce (sharing
-sharded updates after an all-reduce: 3P), plus an all_reduce of a number per tensor and `to_sum`.
-One process skips every collective unless built distributed (scripts/zero_check.py: a group of one).
+each rank updates and an all-gather of the updated pieces, 2P and padding as DDP's all-reduce, plus
+an all_reduce of a number per tensor and `to_sum`. One process skips every collective unless built
+distributed (scripts/zero_check.py: a group of one). A parameter with no gradient: an error.
 
-The state is per rank (its slices or matrices; tensors, numbers, strings, world_size and rank):
-one state_dict() per rank, another rank's refused. owns(p) and piece(p, whole) say which piece of
-p's state a rank keeps: flt/checkpoint.py reshards a run saved with another world size.
+The state is per rank (its slices or matrices, world_size and rank), another rank's refused;
+owns(p) and piece(p, whole) say which of p's state it keeps, for flt/checkpoint.py to reshard.
 """
 
 import math
@@ -88,8 +87,7 @@ class _Sharded(torch.optim.Optimizer):
     def __init__(self, params, defaults, distributed):
         super().__init__(params, defaults)
         if distributed and not dist.is_initialized():
-            raise ValueError("distributed=True needs torch.distributed to be initialised first "
-                             "(dist.init_process_group under torchrun)")
+            raise ValueError("distributed=True needs dist.init_process_group first (torchrun)")
         self.distributed = distributed
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
@@ -125,6 +123,8 @@ class _Sharded(torch.optim.Optimizer):
     @torch.no_grad()
     def reduce_grads(self):
         """Start averaging the gradients over the ranks (once per step)."""
+        if self._reduced is None and any(p.grad is None for p in self.parameters()):
+            raise ValueError("a parameter got no gradient: the loss must reach each one")
         if self._reduced is None:
             self._reduced = self._reduce_scatter_grads()
 

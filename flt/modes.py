@@ -293,6 +293,8 @@ def tasks_mode(settings, job):
     task = tasks.task_of(job.trained)
     batches = task.batches(settings.task_items * task.item_len, settings.batch_size, job.rank,
                            job.world, difficulty=True)
+    # a small test bucket repeats its items: the plan says how many differ
+    distinct = len({tuple(tokens) for tokens, _, _ in task.test_items(settings.task_items)})
 
     # the largest budget (job.loops is sorted)
     K_max = job.loops[-1]
@@ -320,7 +322,7 @@ def tasks_mode(settings, job):
     exits = ""
     if job.exits:
         exits = f"; and {n_exit} forwards under exit rules {exits_named(job.exits)}"
-    return Plan(f"{settings.task_items:,} held-out {task.name} items of difficulty {task.D} "
+    return Plan(f"{settings.task_items:,} held-out {task.name} items ({distinct:,} distinct) of difficulty {task.D} "
                 f"({len(task.levels)} levels), {len(batches)} forwards of {settings.batch_size} x "
                 f"{job.seq_len} at K={job.loops[-1]}{exits}", len(batches) + n_exit, run)
 

@@ -25,6 +25,7 @@ attempt = 0, 1, ..., outside the test bucket, so every rank and a resumed run se
 disjoint from training by construction: an item whose hash falls in the test bucket (one in
 TEST_BUCKET) is never a training item, and only such items are test items. A group task needs
 MIN_ITEMS distinct items for such a set (S3: difficulty >= 4, S5: >= 2); chains have far more.
+A bucket smaller than task_items repeats its items (eval.py's plan says how many are distinct).
 Each symbol is one character of a byte-level alphabet, and the vocabulary is a tokenizers
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
@@ -38,13 +39,14 @@ A task run, end to end, with every call it makes outside this file:
 - validation (train.py's validate): eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by
   `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
 - scoring (eval.py's tasks mode, run by flt/modes.py: tasks_mode): the task rebuilt by `task_of`
-  from the settings the checkpoint saved; eval.py's `evaluate_tasks` on `Task.batches(task_items *
-  item_len, batch_size, rank, world_size, difficulty=True)`: the argmax at position i against y[i]
-  at each K, counted by `Task.levels` (the difficulty of each answer). It returns eval.json's
-  entries at each K, which eval.py's main merges into eval.json by (K, metric) like every mode's:
-  task_acc pools every answer, task_acc_by_difficulty is one accuracy per level (named
-  task_acc[task_items=N] when task_items is not its default); under exit rules, eval.py's
-  `evaluate_task_exit` gives task_exit, at the largest K.
+  from the settings the checkpoint saved; eval.py's `evaluate_tasks` on
+  `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
+  at position i against y[i] at each K, counted at each level of `Task.levels` (each answer's
+  difficulty: the batches' third tensor). It returns eval.json's entries at each K, which eval.py's
+  main merges into eval.json by (K, metric) like every mode's: task_acc pools every answer,
+  task_acc_by_difficulty is one accuracy per level; under exit rules, eval.py's `evaluate_task_exit`
+  gives task_exit, at the largest K (each key tagged [task_items=N] when task_items is not its
+  default).
 """
 import hashlib
 import itertools

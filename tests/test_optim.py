@@ -581,3 +581,13 @@ def test_optimizer_state_reshards_exactly_between_world_sizes(distributed_result
                           checkpoint.full_optimizer_state(opt, saved), rtol=0, atol=0)
     with pytest.raises(ValueError, match="expected every rank of the saved run, in rank order"):
         checkpoint.load_optimizer(single[0], [distributed_results[1]["optimizer_states"][0]])  # rank 0 missing
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_a_parameter_the_loss_never_reached_is_named_not_a_crash(opt):
+    # torch's optimizers skip a None gradient; these reduce every parameter, so they refuse one
+    used, unused = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2, 2))
+    optimizer = AdamW([used, unused]) if opt == "adamw" else Muon([used, unused])
+    (used ** 2).sum().backward()
+    with pytest.raises(ValueError, match="a parameter got no gradient: the loss must reach each one"):
+        reduce_gradients([optimizer])

@@ -232,7 +232,7 @@ def test_train_and_eval_a_task_end_to_end(tmp_path):
     p = python("eval.py", str(out), "--modes=tasks", "--loops=1,2,4,8", "--task_items=30",
                "--device=cpu")
     assert p.returncode == 0, p.stderr
-    assert "30 held-out chains items of difficulty 2" in p.stdout
+    assert "30 held-out chains items (30 distinct) of difficulty 2" in p.stdout
     with open(out / "step_000004" / "eval.json") as f:
         saved = json.load(f)["results"]
     assert set(saved) >= {"1", "2", "4", "8"}
