@@ -30,23 +30,25 @@ Each symbol is one character of a byte-level alphabet, and the vocabulary is a t
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
 
-A task run, end to end, with every call it makes outside this file:
-- training (train.py): `task_of(settings)` is the task, `tokenizer(task)` its vocabulary (through
-  flt/inputs.py: tokenizer, saved as the run's tokenizer.json); `Task.loader` stands where the
-  text's data.DataLoader would, yielding rows of `Task.rows` (y[i] is the answer at x[i] itself, not
-  the next token); the text's `model(x, y)` takes the loss, model.py's GPT.loss: the cross-entropy
-  of the logits at position i against y[i], -1 skipped, so one loss serves text and tasks alike;
-- validation (train.py's validate): eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by
-  `tokenizer(task)`'s byte tables (val_bpb's: an answer's UTF-8 bytes, 2 for S5's past the 84th);
-- scoring (eval.py's tasks mode, run by flt/modes.py: tasks_mode): the task rebuilt by `task_of`
-  from the settings the checkpoint saved; eval.py's `evaluate_tasks` on
-  `Task.batches(task_items * item_len, batch_size, rank, world_size, difficulty=True)`: the argmax
-  at position i against y[i] at each K, counted at each level of `Task.levels` (each answer's
-  difficulty: the batches' third tensor). It returns eval.json's entries at each K, which eval.py's
-  main merges into eval.json by (K, metric) like every mode's: task_acc pools every answer,
-  task_acc_by_difficulty is one accuracy per level; under exit rules, eval.py's `evaluate_task_exit`
-  gives task_exit, at the largest K (each key tagged [task_items=N] when task_items is not its
-  default).
+A task run, from generation to score, with every call it makes outside this file:
+- the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.test_items`
+  the held-out ones, which `Task.batches(n_tokens, batch_size, rank, world_size, difficulty=True)`
+  packs into rows (`Task.rows`: y[i] is the answer at x[i] itself, not the next token) with each
+  answer's difficulty as a third tensor;
+- the score (eval.py's tasks mode): eval.py's `evaluate_tasks` on those batches, for
+  task_items items: the argmax at position i against y[i] at each K, counted at each level of
+  `Task.levels`. It returns eval.json's entries at each K (task_acc pools every answer,
+  task_acc_by_difficulty is one accuracy per level), and under exit rules eval.py's
+  `evaluate_task_exit` gives task_exit at the largest K; eval.py's main merges them by (K, metric)
+  like every mode's, each key tagged [task_items=N] off its default. flt/modes.py: tasks_mode only
+  wires these: `task_of` on the settings the checkpoint saved, the batches, the two calls, a
+  printed line each;
+- the training before it (train.py, as for text): `task_of(settings)` is the task,
+  `tokenizer(task)` its vocabulary (through flt/inputs.py: tokenizer, saved as tokenizer.json),
+  `Task.loader` stands where data.DataLoader would, and `model(x, y)` takes the loss, model.py's
+  GPT.loss: the cross-entropy at position i against y[i], -1 skipped, one loss for text and tasks;
+  validation is eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by `tokenizer(task)`'s
+  byte tables (an answer's UTF-8 bytes: 2 for S5's past the 84th).
 """
 import hashlib
 import itertools
