@@ -49,7 +49,8 @@ def acceptance(p, q, draft):
 
 
 def residual(p, q):
-    """What a rejected draft is replaced by: max(0, p - q), normalised (p where p = q)."""
+    """The weights a rejected draft is resampled from: max(0, p - q), unnormalised (p where
+    p = q); torch.multinomial normalises them."""
     r = (p - q).clamp(min=0)
     return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
 
