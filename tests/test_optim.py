@@ -61,7 +61,7 @@ def test_newton_schulz_approximates_polar_factor(shape):
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     polar = U @ Vh
     # Five quintic steps map every normalised singular value in [0.01, 1] into
-    # [0.68, 1.14] (not exactly 1); here s_min / ||G||_F >= 0.5 / sqrt(32) > 0.08.
+    # [0.682, 1.135] (not exactly 1); here s_min / ||G||_F >= 0.5 / sqrt(32) > 0.08.
     s_out = torch.linalg.svdvals(out)
     assert s_out.min() > 0.65 and s_out.max() < 1.2, s_out
     # The iteration is an odd polynomial in G, so it keeps G's singular vectors: the
@@ -82,7 +82,7 @@ def test_newton_schulz_bf16_matches_float32_within_bf16_tolerance(shape):
     assert bf16.dtype == torch.float32
     assert not torch.equal(bf16, fp32)  # the switch really changed the working precision
     # bf16 rounds at 2^-9 relative; the iteration does not converge but keeps singular
-    # values moving inside [0.68, 1.14], where the quintic's slope amplifies that
+    # values moving inside [0.682, 1.135], where the quintic's slope amplifies that
     # rounding: measured 3-4.5% relative (Frobenius) difference from float32.
     assert (bf16 - fp32).norm() / fp32.norm() < 0.06
     # What Muon needs survives: the same polar factor U V^T, singular values in the band.
