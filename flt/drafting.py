@@ -106,7 +106,8 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     # none asked for: none emitted, as K-loop decoding
     if max_new_tokens < 1:
         return
-    token = choose(model(idx, loops=K, kv_cache=cache)[:, -1], temperature, top_k, rng)
+    # the prefill, as generate's: the prompt in one forward (eager: its length varies)
+    token = choose(step(idx, eager=True).logits[:, -1], temperature, top_k, rng)
     yield token
     done = 1
     # The cache position's invariant, set and used here: at a round's start, cache.pos = start =
