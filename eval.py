@@ -194,8 +194,8 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, exit_rule="kl"
 def evaluate_tasks(model, batches, levels, loops_list, progress=None):
     """({K: eval.json's {"task_acc", "task_acc_by_difficulty"}}, {difficulty: answers}): the share
     of the answers (targets >= 0) whose argmax is right, in all and at each difficulty in `levels`,
-    every K from one forward, on the tasks mode's Task.batches(task_items * item_len, batch_size,
-    rank, world_size, difficulty=True) (flt/tasks.py). All-reduced."""
+    every K from one forward, on the tasks mode's Task.batches_of(Task.test_items(task_items),
+    batch_size, rank, world_size, difficulty=True) (flt/tasks.py). All-reduced."""
     device = next(model.parameters()).device
     # per K, the right answers at each difficulty; and the answers at each difficulty
     n = max(levels) + 1

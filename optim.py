@@ -123,9 +123,9 @@ class _Sharded(torch.optim.Optimizer):
     @torch.no_grad()
     def reduce_grads(self):
         """Start averaging the gradients over the ranks (once per step)."""
-        if self._reduced is None and any(p.grad is None for p in self.parameters()):
-            raise ValueError("a parameter got no gradient: the loss must reach each one")
         if self._reduced is None:
+            if any(p.grad is None for p in self.parameters()):
+                raise ValueError("a parameter got no gradient: the loss must reach each one")
             self._reduced = self._reduce_scatter_grads()
 
     def _averaged(self):

@@ -291,10 +291,10 @@ def tasks_mode(settings, job):
     """A synthetic task's held-out items (flt/tasks.py), scored by per-answer accuracy at each K
     (Metrics.tasks). The checkpoint was trained on the task (eval_settings.check_checkpoint)."""
     task = tasks.task_of(job.trained)
-    batches = task.batches(settings.task_items * task.item_len, settings.batch_size, job.rank,
-                           job.world, difficulty=True)
+    items = task.test_items(settings.task_items)
+    batches = task.batches_of(items, settings.batch_size, job.rank, job.world, difficulty=True)
     # a small test bucket repeats its items: the plan says how many differ
-    distinct = len({tuple(tokens) for tokens, _, _ in task.test_items(settings.task_items)})
+    distinct = len({tuple(tokens) for tokens, _, _ in items})
 
     # the largest budget (job.loops is sorted)
     K_max = job.loops[-1]

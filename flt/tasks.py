@@ -32,7 +32,7 @@ WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py l
 
 A task run, from generation to score, with every call it makes outside this file:
 - the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.test_items`
-  the held-out ones, which `Task.batches(n_tokens, batch_size, rank, world_size, difficulty=True)`
+  the held-out ones, which `Task.batches_of(items, batch_size, rank, world_size, difficulty=True)`
   packs into rows (`Task.rows`: y[i] is the answer at x[i] itself, not the next token) with each
   answer's difficulty as a third tensor;
 - the score (eval.py's tasks mode): eval.py's `evaluate_tasks` on those batches, for
@@ -154,10 +154,14 @@ class Task:
         return x, y, d
 
     def batches(self, n_tokens, batch_size, rank=0, world_size=1, difficulty=False):
-        """This rank's share of the test set's rows (every world_size-th), about n_tokens tokens in
-        all, as (x, y) batches of batch_size rows, or (x, y, difficulty)."""
-        n_items = max(1, n_tokens // self.item_len)
-        x, y, d = self.rows(self.test_items(n_items))
+        """batches_of the first test items, about n_tokens tokens in all."""
+        items = self.test_items(max(1, n_tokens // self.item_len))
+        return self.batches_of(items, batch_size, rank, world_size, difficulty)
+
+    def batches_of(self, items, batch_size, rank=0, world_size=1, difficulty=False):
+        """This rank's share of the items' rows (every world_size-th), as (x, y) batches of
+        batch_size rows, or (x, y, difficulty)."""
+        x, y, d = self.rows(items)
         mine = [t[rank::world_size] for t in (x, y, d)]
         split = [t.split(batch_size) for t in mine]
         return list(zip(*split)) if difficulty else list(zip(*split[:2]))
