@@ -19,7 +19,7 @@ The metrics, each as the authors' scripts compute it (FuRuF-11/FullyLoopedTransf
 - CORE (DCLM, nanochat's core_eval): the mean centered accuracy of the bundle's tasks, and
   Table 1's six downstream accuracies (evaluate_core)
 - tasks, beyond the paper: per-answer accuracy by difficulty on a synthetic reasoning task's
-  held-out items (evaluate_tasks; flt/tasks.py), and its loops under exit rules (evaluate_task_exit)
+  held-out items, and its loops under exit rules, scored beside the task (flt/tasks.py: mode)
 Which tokens and items are scored never depends on this machine: batch_size and the number of
 processes change the speed only. The protocols, the modes and eval.json: docs/evaluation.md.
 """
@@ -189,67 +189,6 @@ def evaluate_exit(model, batches, token_bytes, loops, thresholds, exit_rule="kl"
             for t, b, m in zip(thresholds, bits.tolist(), mean_loops.tolist())]
 
 
-# ----------------------------------------------------------------------------- reasoning tasks
-@torch.no_grad()
-def evaluate_tasks(model, batches, levels, loops_list, progress=None):
-    """({K: eval.json's {"task_acc", "task_acc_by_difficulty"}}, {difficulty: answers}): the share
-    of the answers (targets >= 0) whose argmax is right, in all and at each difficulty in `levels`,
-    every K from one forward, on the tasks mode's Task.batches_of(Task.test_items(task_items),
-    batch_size, rank, world_size, difficulty=True) (flt/tasks.py). All-reduced."""
-    device = next(model.parameters()).device
-    # per K, the right answers at each difficulty; and the answers at each difficulty
-    n = max(levels) + 1
-    right = torch.zeros(len(loops_list), n, dtype=torch.float64, device=device)
-    answers = torch.zeros(n, dtype=torch.float64, device=device)
-    for x, y, d in batches:
-        x, y, d = x.to(device), y.to(device), d.to(device)
-        scored = y >= 0
-        for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list).values()):
-            is_right = (pred == y)[scored].double()
-            right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)
-        answers += torch.bincount(d[scored], minlength=n)
-        if progress:
-            progress()
-    runtime.all_reduce_sum(right, answers)
-    answers = answers.tolist()
-    results = {K: {"task_acc": sum(r) / sum(answers),
-                   "task_acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels}}
-               for K, r in zip(loops_list, right.tolist())}
-    return results, {str(d): int(answers[d]) for d in levels}
-
-
-@torch.no_grad()
-def evaluate_task_exit(model, batches, levels, loops, exit_rule, thresholds, progress=None):
-    """[{threshold, acc, mean_loops, acc_by_difficulty, loops_by_difficulty}] on evaluate_tasks'
-    batches, with exit_rule at each threshold and at most `loops` loops: the per-answer accuracy and
-    loops run, in all and by difficulty. One forward per threshold. All-reduced."""
-    device = next(model.parameters()).device
-    # per threshold, the right answers and the loops run at each difficulty; the answers at each
-    n = max(levels) + 1
-    right = torch.zeros(len(thresholds), n, dtype=torch.float64, device=device)
-    loops_run = torch.zeros_like(right)
-    answers = torch.zeros(n, dtype=torch.float64, device=device)
-    for x, y, d in batches:
-        x, y, d = x.to(device), y.to(device), d.to(device)
-        scored = y >= 0
-        for i, t in enumerate(thresholds):
-            logits, looped = model(x, loops=loops, exit_threshold=t, exit_rule=exit_rule,
-                                   return_loops=True)
-            is_right = (logits.argmax(-1) == y)[scored].double()
-            right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)
-            ran = looped.exit_loops[scored].double()
-            loops_run[i] += torch.bincount(d[scored], weights=ran, minlength=n)
-            if progress:
-                progress()
-        answers += torch.bincount(d[scored], minlength=n)
-    runtime.all_reduce_sum(right, loops_run, answers)
-    answers = answers.tolist()
-    return [{"threshold": t, "acc": sum(r) / sum(answers), "mean_loops": sum(ran) / sum(answers),
-             "acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels},
-             "loops_by_difficulty": {str(d): ran[d] / answers[d] for d in levels}}
-            for t, r, ran in zip(thresholds, right.tolist(), loops_run.tolist())]
-
-
 # ----------------------------------------------------------------------------- WikiText-2
 def evaluate_ppl(model, windows, loops_list, batch_size, progress=None):
     """{K: perplexity}: exp(mean NLL) of every target of the windows (data.wiki_windows). Under
@@ -391,8 +330,7 @@ def main(argv):
     eval_settings.check_gate(settings, exits, model, meta)
     # the metrics above, each run by its mode; the estimate times the budget sweep (flt/modes.py)
     metrics = Metrics(sweep=loop_losses, bpb=evaluate_bpb, exit=evaluate_exit, wiki=evaluate_ppl,
-                      core=evaluate_core, tasks=evaluate_tasks, task_exit=evaluate_task_exit,
-                      byte_counts=BYTE_COUNTS)
+                      core=evaluate_core, byte_counts=BYTE_COUNTS)
     # what the modes share: the model, its tokenizer and numerics, this process, the metrics
     job = Job(settings, model.eval(), meta, rt, loops_list, exits, metrics)
     json_path = settings.out or os.path.join(meta["path"], "eval.json")

@@ -11,10 +11,11 @@ apart, under metric[setting=value,...] (plan).
     seconds = modes.estimate(settings, job, planned)            # {mode: Span(low, mid, high)}
     by_K, measured = planned["bpb"].run()
 
-The metrics are eval.py's functions (evaluate_bpb, evaluate_exit, evaluate_ppl, evaluate_core,
-evaluate_tasks, evaluate_task_exit, loop_losses), which eval.py's main hands over in a Metrics:
-imports flow one way, from eval.py to this package, never back. The modes hold no arithmetic of
-their own.
+The paper's metrics are eval.py's functions (evaluate_bpb, evaluate_exit, evaluate_ppl,
+evaluate_core, loop_losses), which eval.py's main hands over in a Metrics: imports flow one way,
+from eval.py to this package, never back. These modes hold no arithmetic of their own. The tasks
+mode, beyond the paper, is flt/tasks.py's `mode`, beside the task it scores: it returns the same
+(line, forwards, run), and its accuracy is computed there.
 """
 import functools
 import itertools
@@ -52,8 +53,6 @@ class Metrics(NamedTuple):
     exit: Callable
     wiki: Callable
     core: Callable
-    tasks: Callable
-    task_exit: Callable
     byte_counts: tuple
 
 
@@ -83,10 +82,13 @@ class Job:
         self.val = None
         self.tables = None
 
+    def progress(self, label, total, unit="forwards"):
+        """Progress lines on rank 0 (corpus.Progress); None on the other ranks."""
+        return corpus.Progress(label, total, unit, log=print0) if self.rank == 0 else None
 
-def progress_of(job, label, total, unit="forwards"):
-    """Progress lines on rank 0 (corpus.Progress); None on the other ranks."""
-    return corpus.Progress(label, total, unit, log=print0) if job.rank == 0 else None
+    def exits_named(self):
+        """The exit rules a plan line names: "kl at [0.1, 0.01], argmax at [1, 2]"."""
+        return ", ".join(f"{rule} at {thresholds}" for rule, thresholds in self.exits.items())
 
 
 def validation(settings, job):
@@ -147,7 +149,7 @@ def bpb_mode(settings, job):
     val = validation(settings, job)
 
     def run():
-        progress = progress_of(job, "val bpb", len(val.batches))
+        progress = job.progress("val bpb", len(val.batches))
         bpb, _ = job.metrics.bpb(job.model, val.batches, job.tables, job.loops, progress)
         utf8 = "  ".join(f"{v:.4f}" for v in bpb["utf8"].values())
         print0(f"val bpb: {report.per_K(bpb['authors'], '.4f')}  (true UTF-8 bytes: {utf8})")
@@ -155,11 +157,6 @@ def bpb_mode(settings, job):
                    for K in job.loops}
         return results, val.measured
     return Plan(f"{val.what}; {val.forwards} at K={job.loops[-1]}", len(val.batches), run)
-
-
-def exits_named(exits):
-    """The exit rules a plan line names: "kl at [0.1, 0.01], argmax at [1, 2]"."""
-    return ", ".join(f"{rule} at {thresholds}" for rule, thresholds in exits.items())
 
 
 def exit_mode(settings, job):
@@ -172,7 +169,7 @@ def exit_mode(settings, job):
     n = n_thresholds * len(val.batches)
 
     def run():
-        progress = progress_of(job, "exit", n)
+        progress = job.progress("exit", n)
         curves = {}
         for rule, thresholds in job.exits.items():
             curves[rule] = job.metrics.exit(job.model, val.batches, job.tables["authors"], K_max,
@@ -184,7 +181,7 @@ def exit_mode(settings, job):
         if curves:
             results["exit_rules"] = curves
         return {K_max: results}, val.measured
-    return Plan(f"the bpb mode's tokens, K <= {K_max}, exit rules {exits_named(job.exits)}: "
+    return Plan(f"the bpb mode's tokens, K <= {K_max}, exit rules {job.exits_named()}: "
                 f"{n_thresholds} x {val.forwards}", n, run)
 
 
@@ -200,7 +197,7 @@ def wiki_mode(settings, job):
 
     def run():
         ppl = job.metrics.wiki(job.model, windows, job.loops, batch_size,
-                               progress_of(job, "wikitext-2", n))
+                               job.progress("wikitext-2", n))
         print0(f"wikitext-2 test ppl: {report.per_K(ppl, '.2f')}")
         return {K: {"wiki_ppl": v} for K, v in ppl.items()}, {"tokens": tokens}
     forwards = -(-len(windows) // batch_size)
@@ -263,7 +260,7 @@ def sample_mode(settings, job):
     drafted = [K for K in job.loops if draft_loops is not None and K > draft_loops]
 
     def run():
-        progress, texts = progress_of(job, "sample", len(prompts), "samples"), {}
+        progress, texts = job.progress("sample", len(prompts), "samples"), {}
         for K, prompt in prompts:
             text = runtime.sample(job.model, job.tokenizer, prompt, settings.sample_tokens, loops=K,
                                   temperature=settings.temperature, seed=settings.seed,
@@ -287,49 +284,9 @@ def sample_mode(settings, job):
                 f"{job.loops}, cached decoding ({cache} cache{drafts})", forwards, run)
 
 
-def tasks_mode(settings, job):
-    """A synthetic task's held-out items (flt/tasks.py), scored by per-answer accuracy at each K
-    (Metrics.tasks). The checkpoint was trained on the task (eval_settings.check_checkpoint)."""
-    task = tasks.task_of(job.trained)
-    items = task.test_items(settings.task_items)
-    batches = task.batches_of(items, settings.batch_size, job.rank, job.world, difficulty=True)
-    # a small test bucket repeats its items: the plan says how many differ
-    distinct = len({tuple(tokens) for tokens, _, _ in items})
-
-    # the largest budget (job.loops is sorted)
-    K_max = job.loops[-1]
-    n_exit = sum(map(len, job.exits.values())) * len(batches)
-
-    def run():
-        progress = progress_of(job, f"{task.name} accuracy", len(batches) + n_exit)
-        results, answers = job.metrics.tasks(job.model, batches, task.levels, job.loops, progress)
-        for K, r in results.items():
-            print0(f"{task.name} K={K}: accuracy {r['task_acc']:.4f}; by difficulty "
-                   + " ".join(f"{d}:{a:.2f}" for d, a in r["task_acc_by_difficulty"].items()))
-        # depth per token (eval_settings.exit_plan): each rule's accuracy and loops per answer
-        task_exit = {}
-        for rule, thresholds in job.exits.items():
-            task_exit[rule] = job.metrics.task_exit(job.model, batches, task.levels, K_max, rule,
-                                                    thresholds, progress)
-            for r in task_exit[rule]:
-                print0(f"{task.name} exit rule {rule} {r['threshold']:g}, K <= {K_max}: accuracy "
-                       f"{r['acc']:.4f} at {r['mean_loops']:.2f} loops; loops by difficulty "
-                       + " ".join(f"{d}:{v:.2f}" for d, v in r["loops_by_difficulty"].items()))
-        if task_exit:
-            results.setdefault(K_max, {})["task_exit"] = task_exit
-        return results, {"task": task.name, "difficulty": task.D, "items": settings.task_items,
-                         "answers": answers}
-    exits = ""
-    if job.exits:
-        exits = f"; and {n_exit} forwards under exit rules {exits_named(job.exits)}"
-    return Plan(f"{settings.task_items:,} held-out {task.name} items ({distinct:,} distinct) of difficulty {task.D} "
-                f"({len(task.levels)} levels), {len(batches)} forwards of {settings.batch_size} x "
-                f"{job.seq_len} at K={job.loops[-1]}{exits}", len(batches) + n_exit, run)
-
-
 # eval.py's modes, in the order they run
 PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample_mode,
-         "exit": exit_mode, "tasks": tasks_mode}
+         "exit": exit_mode, "tasks": tasks.mode}
 # The settings that change a mode's numbers (docs/evaluation.md). Results computed with any of them
 # off its default are kept in eval.json under metric[setting=value,...], beside the default ones.
 # Where the inputs are (val_files, wiki_path, bundle_dir: local copies) is no such choice.
@@ -350,7 +307,7 @@ def plan(mode, settings, defaults, job):
     """mode's Plan (PLANS): its inputs fetched and counted, no forward yet. Where the settings leave
     one of its CHOICES off the default, its results are stored as metric[label] and its plan line
     says so."""
-    planned = PLANS[mode](settings, job)
+    planned = Plan(*PLANS[mode](settings, job))
     tag = label(settings, defaults, mode)
     if not tag:
         return planned

@@ -30,25 +30,20 @@ Each symbol is one character of a byte-level alphabet, and the vocabulary is a t
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
 
-A task run, from generation to score, with every call it makes outside this file:
-- the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.test_items`
-  the held-out ones, which `Task.batches_of(items, batch_size, rank, world_size, difficulty=True)`
-  packs into rows (`Task.rows`: y[i] is the answer at x[i] itself, not the next token) with each
-  answer's difficulty as a third tensor;
-- the score (eval.py's tasks mode): eval.py's `evaluate_tasks` on those batches, for
-  task_items items: the argmax at position i against y[i] at each K, counted at each level of
-  `Task.levels`. It returns eval.json's entries at each K (task_acc pools every answer,
-  task_acc_by_difficulty is one accuracy per level), and under exit rules eval.py's
-  `evaluate_task_exit` gives task_exit at the largest K; eval.py's main merges them by (K, metric)
-  like every mode's, each key tagged [task_items=N] off its default. flt/modes.py: tasks_mode only
-  wires these: `task_of` on the settings the checkpoint saved, the batches, the two calls, a
-  printed line each;
-- the training before it (train.py, as for text): `task_of(settings)` is the task,
-  `tokenizer(task)` its vocabulary (through flt/inputs.py: tokenizer, saved as tokenizer.json),
-  `Task.loader` stands where data.DataLoader would, and `model(x, y)` takes the loss, model.py's
-  GPT.loss: the cross-entropy at position i against y[i], -1 skipped, one loss for text and tasks;
-  validation is eval.py's evaluate_bpb on `Task.batches(n_tokens, ...)`, by `tokenizer(task)`'s
-  byte tables (an answer's UTF-8 bytes: 2 for S5's past the 84th).
+A task run, from generation to score: this file, and train.py for the training.
+- the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.rows` packs
+  items into rows, where y[i] is the answer at x[i] itself, not the next token;
+- the training (train.py, as for text): `task_of(settings)` is the task and `tokenizer(task)` its
+  vocabulary (train.py's inputs.tokenizer returns it); `Task.loader` stands where data.DataLoader would, and `model(x, y)` takes the loss
+  of text, model.py's GPT.loss: the cross-entropy at position i against y[i], -1 skipped. train.py
+  validates on `Task.batches(n_tokens, ...)`, the first test items, in bits per byte (eval.py's
+  evaluate_bpb; an answer's UTF-8 bytes: 2 for S5's past the 84th);
+- the score (`eval.py --modes=tasks`, which runs `mode` below): `Task.test_items(task_items)`,
+  packed by `Task.batches_of(..., difficulty=True)` with each answer's difficulty; `accuracy`
+  compares the argmax at position i with y[i] at each K, pooled (task_acc) and at each level of
+  `Task.levels` (task_acc_by_difficulty); under exit rules, `exit_accuracy` adds task_exit at the
+  largest K. eval.py merges them into eval.json like every mode's, each key tagged
+  [task_items=N] off its default.
 """
 import hashlib
 import itertools
@@ -60,6 +55,8 @@ import tokenizers
 import torch
 
 import data
+from flt import runtime
+from flt.runtime import print0
 
 TASKS = ("s3", "s5", "chains")
 # one item in TEST_BUCKET is held out (by its hash)
@@ -256,6 +253,109 @@ class Loader:
         x, y, _ = self.task.rows(items)
         return x.to(self.device), y.to(self.device)
 
+
+
+# ----------------------------------------------------------------------------- the score
+@torch.no_grad()
+def accuracy(model, batches, levels, loops_list, progress=None):
+    """({K: eval.json's {"task_acc", "task_acc_by_difficulty"}}, {difficulty: answers}): the share
+    of the answers (y >= 0) whose argmax at position i is y[i], pooled and at each difficulty in
+    `levels`, every K from one forward, on batches_of(items, ..., difficulty=True). All-reduced."""
+    device = next(model.parameters()).device
+    # per K, the right answers at each difficulty; and the answers at each difficulty
+    n = max(levels) + 1
+    right = torch.zeros(len(loops_list), n, dtype=torch.float64, device=device)
+    answers = torch.zeros(n, dtype=torch.float64, device=device)
+    for x, y, d in batches:
+        x, y, d = x.to(device), y.to(device), d.to(device)
+        scored = y >= 0
+        # h(1) ... h(K_max): the head reads h(K) at the scored positions only
+        hs = model.loop_states(x, max(loops_list)).states
+        for i, K in enumerate(loops_list):
+            pred = model.head(hs[K - 1][scored]).argmax(dim=-1)
+            is_right = (pred == y[scored]).double()
+            right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)
+        answers += torch.bincount(d[scored], minlength=n)
+        if progress:
+            progress()
+    runtime.all_reduce_sum(right, answers)
+    answers = answers.tolist()
+    results = {K: {"task_acc": sum(r) / sum(answers),
+                   "task_acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels}}
+               for K, r in zip(loops_list, right.tolist())}
+    return results, {str(d): int(answers[d]) for d in levels}
+
+
+@torch.no_grad()
+def exit_accuracy(model, batches, levels, loops, exit_rule, thresholds, progress=None):
+    """[{threshold, acc, mean_loops, acc_by_difficulty, loops_by_difficulty}] on accuracy's
+    batches, with exit_rule at each threshold and at most `loops` loops: the per-answer accuracy and
+    loops run, pooled and by difficulty. One forward per threshold. All-reduced."""
+    device = next(model.parameters()).device
+    # per threshold, the right answers and the loops run at each difficulty; the answers at each
+    n = max(levels) + 1
+    right = torch.zeros(len(thresholds), n, dtype=torch.float64, device=device)
+    loops_run = torch.zeros_like(right)
+    answers = torch.zeros(n, dtype=torch.float64, device=device)
+    for x, y, d in batches:
+        x, y, d = x.to(device), y.to(device), d.to(device)
+        scored = y >= 0
+        for i, t in enumerate(thresholds):
+            logits, looped = model(x, loops=loops, exit_threshold=t, exit_rule=exit_rule,
+                                   return_loops=True)
+            is_right = (logits.argmax(-1) == y)[scored].double()
+            right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)
+            ran = looped.exit_loops[scored].double()
+            loops_run[i] += torch.bincount(d[scored], weights=ran, minlength=n)
+            if progress:
+                progress()
+        answers += torch.bincount(d[scored], minlength=n)
+    runtime.all_reduce_sum(right, loops_run, answers)
+    answers = answers.tolist()
+    return [{"threshold": t, "acc": sum(r) / sum(answers), "mean_loops": sum(ran) / sum(answers),
+             "acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels},
+             "loops_by_difficulty": {str(d): ran[d] / answers[d] for d in levels}}
+            for t, r, ran in zip(thresholds, right.tolist(), loops_run.tolist())]
+
+
+def mode(settings, job):
+    """eval.py's tasks mode (flt/modes.py: PLANS): (its plan line, the forwards it will run, run()).
+    The task is rebuilt from the settings the checkpoint saved; run() scores task_items held-out
+    items at every K (accuracy) and, under exit rules, at the largest K (exit_accuracy), prints a
+    line each and returns ({K: eval.json's entries}, what was measured)."""
+    task = task_of(job.trained)
+    items = task.test_items(settings.task_items)
+    batches = task.batches_of(items, settings.batch_size, job.rank, job.world, difficulty=True)
+    # a small test bucket repeats its items: the plan says how many differ
+    distinct = len({tuple(tokens) for tokens, _, _ in items})
+    # the largest budget (job.loops is sorted)
+    K_max = job.loops[-1]
+    n_exit = sum(map(len, job.exits.values())) * len(batches)
+
+    def run():
+        progress = job.progress(f"{task.name} accuracy", len(batches) + n_exit)
+        results, answers = accuracy(job.model, batches, task.levels, job.loops, progress)
+        for K, r in results.items():
+            print0(f"{task.name} K={K}: accuracy {r['task_acc']:.4f}; by difficulty "
+                   + " ".join(f"{d}:{a:.2f}" for d, a in r["task_acc_by_difficulty"].items()))
+        # depth per token (eval_settings.exit_plan): each rule's accuracy and loops per answer
+        task_exit = {}
+        for rule, thresholds in job.exits.items():
+            task_exit[rule] = exit_accuracy(job.model, batches, task.levels, K_max, rule,
+                                            thresholds, progress)
+            for r in task_exit[rule]:
+                print0(f"{task.name} exit rule {rule} {r['threshold']:g}, K <= {K_max}: accuracy "
+                       f"{r['acc']:.4f} at {r['mean_loops']:.2f} loops; loops by difficulty "
+                       + " ".join(f"{d}:{v:.2f}" for d, v in r["loops_by_difficulty"].items()))
+        if task_exit:
+            results.setdefault(K_max, {})["task_exit"] = task_exit
+        return results, {"task": task.name, "difficulty": task.D, "items": settings.task_items,
+                         "answers": answers}
+    exits = f"; and {n_exit} forwards under exit rules {job.exits_named()}" if job.exits else ""
+    line = (f"{settings.task_items:,} held-out {task.name} items ({distinct:,} distinct) of "
+            f"difficulty {task.D} ({len(task.levels)} levels), {len(batches)} forwards of "
+            f"{settings.batch_size} x {job.seq_len} at K={K_max}{exits}")
+    return line, len(batches) + n_exit, run
 
 def task_of(settings):
     """The task train.py's settings name, or None for a text dataset."""

@@ -181,9 +181,9 @@ MUTANTS = [
     ("flt/tasks.py", "self.next_item += n * self.world", "self.next_item += n", TASKS),
     ("flt/tasks.py", "rhs = roots[j] if h == 0 else names[j, h - 1]",
      "rhs = roots[j] if h == 0 else names[j, 0]", TASKS),
-    ("eval.py", "for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list).values()):",
-     "for i, (_, pred) in enumerate(loop_losses(model, x, y, loops_list[-1:]).values()):", TASKS),
-    ("eval.py", "right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)\n        answers += "
+    ("flt/tasks.py", "pred = model.head(hs[K - 1][scored]).argmax(dim=-1)",
+     "pred = model.head(hs[-1][scored]).argmax(dim=-1)", TASKS),
+    ("flt/tasks.py", "right[i] += torch.bincount(d[scored], weights=is_right, minlength=n)\n        answers += "
      "torch.bincount(d[scored], minlength=n)", "right[i] += torch.bincount(d[scored], weights=is_right, "
      "minlength=n)\n        answers += torch.bincount(d[scored].clamp(max=1), minlength=n)", TASKS),
     ("flt/tasks.py", "if len(self.perms) ** difficulty < MIN_ITEMS:", "if False:", TASKS),

@@ -44,6 +44,7 @@ from flt import eval_settings
 from flt import modes
 from flt import report
 from flt import runtime
+from flt import tasks as tasks_module
 from configurator import settings_of
 from model import GPT, GPTConfig, Loops
 import forkserver
@@ -1027,7 +1028,7 @@ def test_the_tasks_mode_on_a_text_run_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------- main's plan-then-run
 # eval.py's metrics as its main hands them to the modes
 METRICS = modes.Metrics(sweep=ev.loop_losses, bpb=ev.evaluate_bpb, exit=ev.evaluate_exit, wiki=ev.evaluate_ppl,
-                        core=ev.evaluate_core, tasks=ev.evaluate_tasks, task_exit=ev.evaluate_task_exit,
+                        core=ev.evaluate_core,
                         byte_counts=ev.BYTE_COUNTS)
 
 
@@ -1166,7 +1167,7 @@ def _worker(rank, world, port, bundle, out_dir):
               "ppl": ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2),
               "core": ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None),
               "exit": ev.evaluate_exit(model, batches[rank::world], TOK.token_bytes(), 3, [0.0, 1e-3]),
-              "tasks": ev.evaluate_tasks(model, task_batches[rank::world], [1, 2, 3], [1, 3])[0]}
+              "tasks": tasks_module.accuracy(model, task_batches[rank::world], [1, 2, 3], [1, 3])[0]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()  # no rank tears gloo down while the other still talks to it
@@ -1187,7 +1188,7 @@ def test_distributed_shares_match_one_process(tmp_path):
     ppl = ev.evaluate_ppl(model, data.wiki_windows(TOK, ["hello world, " * 20], 32, 2), [1, 3], 2)
     core = ev.evaluate_core(model, TOK, corpus.load_bundle(bundle), [1, 3], 2, log=lambda *a: None)
     exit_curve = ev.evaluate_exit(model, batches, TOK.token_bytes(), 3, [0.0, 1e-3])
-    tasks = ev.evaluate_tasks(model, task_batches, [1, 2, 3], [1, 3])[0]
+    tasks = tasks_module.accuracy(model, task_batches, [1, 2, 3], [1, 3])[0]
     for K in (1, 3):
         assert r0["bpb"][str(K)] == pytest.approx(bpb[K], rel=1e-5)
         assert r0["ppl"][str(K)] == pytest.approx(ppl[K], rel=1e-5)

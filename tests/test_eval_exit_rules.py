@@ -1,7 +1,7 @@
 """eval.py's exit rules side by side (--exit_rules, --argmax_counts): each rule's bpb and loops per
 token in the exit mode, eval.json's "exit" (kl, as before) and "exit_rules" merged point by point,
 the table of the fewest loops per token within 0.1% and 1% of the best fixed K (flt/report.py), and
-the tasks mode's accuracy and loops per answer by difficulty under each rule (evaluate_task_exit)."""
+the tasks mode's accuracy and loops per answer by difficulty under each rule (flt/tasks.py: exit_accuracy)."""
 import json
 import re
 

@@ -1,4 +1,4 @@
-"""The synthetic reasoning tasks (flt/tasks.py) and their accuracy (eval.py's evaluate_tasks):
+"""The synthetic reasoning tasks (flt/tasks.py) and their accuracy (tasks.accuracy):
 every answer recomputed by the plain solver, the held-out split, the seeded stream across ranks and
 resumes, the one-pass K sweep against separate passes, the accuracy against a hand count, and
 train.py -> eval.py end to end."""
@@ -156,7 +156,7 @@ def test_accuracy_equals_a_hand_count():
     task = task_of("chains", 2, 20)
     model = tiny_model(task)
     batches = task.batches(13 * task.item_len, 5, difficulty=True)
-    results, answers = evaluation.evaluate_tasks(model, batches, task.levels, [1, 3])
+    results, answers = tasks.accuracy(model, batches, task.levels, [1, 3])
     for K in (1, 3):
         right, count = {d: 0 for d in task.levels}, {d: 0 for d in task.levels}
         for x, y, d in batches:
@@ -179,9 +179,9 @@ def test_the_one_pass_K_sweep_equals_separate_passes(variant):
     task = task_of("s3", 6, 14)
     model = tiny_model(task, variant, loops=3)
     batches = task.batches(40 * task.item_len, 8, difficulty=True)
-    swept, _ = evaluation.evaluate_tasks(model, batches, task.levels, [1, 2, 3, 6, 12])
+    swept, _ = tasks.accuracy(model, batches, task.levels, [1, 2, 3, 6, 12])
     for K in (1, 2, 3, 6, 12):
-        alone, _ = evaluation.evaluate_tasks(model, batches, task.levels, [K])
+        alone, _ = tasks.accuracy(model, batches, task.levels, [K])
         assert alone[K] == swept[K]
 
 
