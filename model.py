@@ -303,9 +303,9 @@ class GPT(nn.Module):
     def loop_states(self, idx, loops=None, bptt_loops=None):
         """The loop (Sec. 4), one body for every variant: Loops, whose states [h(1), ..., h(K)],
         h(t) = norm(stream after loop t), are each a prediction point (head). bptt_loops: only the
-        last bptt_loops loops learn (None: all); LT's embedding, read in loop 1 alone, then gets no
-        gradient (train.py refuses that). Decoding runs this loop with a KV cache, exit rule and
-        draft spans (flt/decoding.py: cached_loops), held to it by tests/test_loop_cache.py."""
+        last bptt_loops loops learn (None or >= K: all); LT's embedding, read in loop 1 alone, then
+        gets no gradient (train.py's settings check refuses it). flt/decoding.py: cached_loops runs
+        it with a KV cache, exit rule and draft spans; tests/test_loop_cache.py ties them."""
         K = self.loop_count(loops)
         T = idx.size(1)
         # a ValueError for T past the RoPE table or a bptt_loops not an integer >= 1 (or None)

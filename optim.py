@@ -45,7 +45,7 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=None):
     A quintic Newton-Schulz iteration X <- aX + b(XX^T)X + c(XX^T)^2 X maps each singular
     value s of X to p(s) = as + bs^3 + cs^5 and leaves U, V untouched. The coefficients
     (3.4445, -4.7750, 2.0315) make p steep near 0: five steps take every singular value in
-    [0.01, 1] into [0.682, 1.135], and s = 0.001 to about 0.47: enough for an update direction, much
+    [0.01, 1] into [0.682, 1.134], and s = 0.001 to about 0.47: enough for an update direction, much
     cheaper than an SVD. `dtype`: None = bf16 on CUDA (tensor cores), float32 elsewhere.
     """
     a, b, c = (3.4445, -4.7750, 2.0315)

@@ -10,8 +10,9 @@ is the transformers wrapper a Hugging Face export ships.
 
 A reader of the paper needs none of it. Three modules go beyond the paper and are worth
 reading: decoding's KV cache of loop slots and the exit rules (decoding), which model.py's loop
-calls, with the learned exit gate trained on a frozen run (exit_gate); drafting with fewer loops (drafting), which generate calls; and the synthetic reasoning tasks
-whose difficulty is depth (tasks), which train.py trains on and eval.py's tasks mode scores.
+calls, with the learned exit gate trained on a frozen run (exit_gate); drafting with fewer loops
+(drafting), which generate calls; and the synthetic reasoning tasks whose difficulty is depth
+(tasks), which train.py trains on and which score themselves in eval.py's tasks mode.
 
 The user scripts built on it are in scripts/: bench (speed and memory), gpu_check (the recipe on
 one GPU), torchrun_check (the headline torchrun command on the machine at hand), zero_check

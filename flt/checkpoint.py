@@ -242,9 +242,10 @@ def full_optimizer_state(opt, states):
     """{parameter index: {key: value}}: the whole state of `opt` (optim.AdamW or Muon) from the
     state_dicts every rank of one run saved, in rank order. AdamW's flat slices are joined in rank
     order; a Muon matrix's momentum comes whole from the one rank that owned it."""
-    if [(s.get("world_size"), s.get("rank")) for s in states] != [(len(states), r) for r in range(len(states))]:
-        raise ValueError(f"optimizer states of (world_size, rank) {[(s.get('world_size'), s.get('rank')) for s in states]}"
-                         f": expected every rank of the saved run, in rank order")
+    saved = [(s.get("world_size"), s.get("rank")) for s in states]
+    if saved != [(len(states), r) for r in range(len(states))]:
+        raise ValueError(f"optimizer states of (world_size, rank) {saved}: expected every rank of "
+                         "the saved run, in rank order")
     pieces, params = {}, opt.parameters()
     for s in states:
         for i, state in s["state"].items():

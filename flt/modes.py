@@ -379,7 +379,7 @@ def estimate(settings, job, planned, calls=TIMED_CALLS):
                                     draft_loops=settings.draft_loops, draft_len=settings.draft_len)
         # the first token: the prefill's
         next(tokens).item()
-        return runtime.timed(lambda: [t.item() for t in tokens], job.device) / (n - 1)
+        return runtime.timed(lambda: [t.item() for t in tokens], job.device) / max(1, n - 1)
     kinds = {"exit": exit_rule, "sample": step}
     seconds = {}
     with job.numerics:

@@ -6,11 +6,12 @@
 
 A folder is read whole (its sub-folders too, hidden names skipped); formats may be mixed, and a
 file of any other kind there is refused, named. A file or a glob may name files of other kinds:
-each is read as UTF-8 text, one document a file (e.g. 'src/**/*.py'). The files are only read: nothing in their folder is
-written, renamed or deleted, and nothing is downloaded. Their documents are converted once into
-parquet shards (the layout data.py reads) under data_dir/own/<name>-<key>/, where key is a hash of
-every document's text on each side of the split: the same corpus finds its shards again, and a
-changed corpus gets new ones, with a BPE of its own (a stale one is never used).
+each is read as UTF-8 text, one document a file (e.g. 'src/**/*.py'). The files are only read:
+nothing in their folder is written, renamed or deleted, and nothing is downloaded. Their
+documents are converted once into parquet shards (the layout data.py reads) under
+data_dir/own/<name>-<key>/, where key is a hash of every document's text on each side of the
+split: the same corpus finds its shards again, and a changed corpus gets new ones, with a BPE of
+its own (a stale one is never used).
 
 Validation is kept apart by a rule the user can see: --val_dataset=PATH holds out all of its
 documents (any of them also in the training files is left out of training); without it, a document

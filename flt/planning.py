@@ -23,8 +23,8 @@ from model import ATTNS, VARIANTS, norm, restart
 from optim import LOOP_SAMPLERS
 from flt.runtime import dtype_bytes, resolve_dtype
 
-# ---------------------------------------------------------------------------- memory and accelerators
 
+# ---------------------------------------------------------------------------- memory and accelerators
 def estimate_memory(model, batch_size, dtype="bf16", compiled=False, checkpoint_loops=None, loops=None,
                     world_size=1, device_type="cuda"):
     """Peak training bytes per GPU of `model` (a GPT, on the meta device will do): {parameters,

@@ -176,7 +176,8 @@ def resolve_dtype(dtype, device_type):
 def precision(model, device_type, dtype):
     """Set the model's numerics and return the autocast context to run it in: the one place
     training and evaluation take them from, so both compute the same function. "bf16" stores the
-    token embedding in bf16 (as the authors' base_train.py) and autocasts matmuls to bf16; "fp32" runs everything in fp32.
+    token embedding in bf16 (as the authors' base_train.py) and autocasts matmuls to bf16; "fp32"
+    runs everything in fp32.
     The embedding's dtype is part of the function (x0 = norm(e) is rounded to it). CPU bf16 autocast is
     not CUDA's policy: CUDA runs model.py's norm (F.rms_norm) in fp32 and returns fp32, CPU returns bf16
     (computed in fp32), so CPU and GPU logits differ slightly. train.py writes the same two

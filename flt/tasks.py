@@ -33,17 +33,18 @@ WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py l
 A task run, from generation to score: this file, and train.py for the training.
 - the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.rows` packs
   items into rows, where y[i] is the answer at x[i] itself, not the next token;
-- the training (train.py, as for text): `task_of(settings)` is the task and `tokenizer(task)` its
-  vocabulary (train.py's inputs.tokenizer returns it); `Task.loader` stands where data.DataLoader would, and `model(x, y)` takes the loss
-  of text, model.py's GPT.loss: the cross-entropy at position i against y[i], -1 skipped. train.py
+- the training (train.py, as for text): `task_of(settings)` is the task, `tokenizer(task)` its
+  vocabulary (train.py's inputs.tokenizer returns it) and it has no shards, no files at all;
+  `Task.loader` stands where data.DataLoader would, and `model(x, y)` takes the loss of text,
+  model.py's GPT.loss: the cross-entropy at position i against y[i], -1 skipped. train.py
   validates on `Task.batches(n_tokens, ...)`, the first test items, in bits per byte (eval.py's
   evaluate_bpb; an answer's UTF-8 bytes: 2 for S5's past the 84th);
-- the score (`eval.py --modes=tasks`, which runs `mode` below): `Task.test_items(task_items)`,
-  packed by `Task.batches_of(..., difficulty=True)` with each answer's difficulty; `accuracy`
-  compares the argmax at position i with y[i] at each K, pooled (task_acc) and at each level of
-  `Task.levels` (task_acc_by_difficulty); under exit rules, `exit_accuracy` adds task_exit at the
-  largest K. eval.py merges them into eval.json like every mode's, each key tagged
-  [task_items=N] off its default.
+- the score (`eval.py --modes=tasks` runs `mode` below): `Task.test_items(task_items)`, packed by
+  `Task.batches_of(..., difficulty=True)` with each answer's difficulty; `accuracy` compares the
+  argmax at position i with y[i] at each K, pooled (task_acc) and at each level of `Task.levels`
+  (task_acc_by_difficulty); under exit rules, `exit_accuracy` adds task_exit at the largest K.
+  `mode` returns these entries of eval.json at each K, which eval.py writes as it writes every
+  mode's (docs/evaluation.md: a key off its defaults is kept apart as key[task_items=N]).
 """
 import hashlib
 import itertools
@@ -101,9 +102,10 @@ class Task:
             need = self.item_len
             if len(self.perms) ** difficulty < MIN_ITEMS:
                 least = math.ceil(math.log(MIN_ITEMS, len(self.perms)))
-                raise ValueError(f"task_difficulty={difficulty}: {name} has {len(self.perms) ** difficulty} "
-                                 f"distinct items of difficulty {difficulty}, too few to hold one in "
-                                 f"{TEST_BUCKET} out as a test set; use task_difficulty >= {least}")
+                raise ValueError(f"task_difficulty={difficulty}: {name} has "
+                                 f"{len(self.perms) ** difficulty} distinct items of difficulty "
+                                 f"{difficulty}, too few to hold one in {TEST_BUCKET} out as a test "
+                                 f"set; use task_difficulty >= {least}")
         if need > seq_len:
             raise ValueError(f"task_difficulty={difficulty}: a {name} item of difficulty "
                              f"{difficulty} needs {need} tokens, more than sequence_len={seq_len}")
@@ -237,6 +239,8 @@ class Loader:
         # a list: every rank's state, saved by another number of ranks (all equal)
         state = state[0] if isinstance(state, list) else state
         self.next_item = state["next_item"] if state else 0
+        # what data.DataLoader reports after a resume on other ranks (checkpoint.resharded): a task
+        # resumes at its next item, exactly, and skips no document
         self.skipped_documents = 0
 
     def state_dict(self):
@@ -252,7 +256,6 @@ class Loader:
         self.next_item += n * self.world
         x, y, _ = self.task.rows(items)
         return x.to(self.device), y.to(self.device)
-
 
 
 # ----------------------------------------------------------------------------- the score
@@ -356,6 +359,7 @@ def mode(settings, job):
             f"difficulty {task.D} ({len(task.levels)} levels), {len(batches)} forwards of "
             f"{settings.batch_size} x {job.seq_len} at K={K_max}{exits}")
     return line, len(batches) + n_exit, run
+
 
 def task_of(settings):
     """The task train.py's settings name, or None for a text dataset."""

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flt import corpus, diagnostics, runtime
+from flt import corpus, diagnostics
 import data
 from configurator import configure, settings_of
 from model import GPT, GPTConfig
@@ -357,8 +357,10 @@ def syncs():
         with autocast:
             loss, looped = model(idx, idx, return_loops=True)
         loss.backward()
-        signals = {name: torch.full((), 0.0, device=device) for name in ("preempted", "interrupted", "save_due")}
-        norms, summed = reduce_gradients(optimizers, {"loss": loss.detach(), "resid_sum": looped.resid_norms.sum()} | signals)
+        signals = {name: torch.full((), 0.0, device=device)
+                   for name in ("preempted", "interrupted", "save_due")}
+        to_sum = {"loss": loss.detach(), "resid_sum": looped.resid_norms.sum()} | signals
+        norms, summed = reduce_gradients(optimizers, to_sum)
         grad_norm = torch.stack(list(norms.values())).double().sum().sqrt()
         tensors = {"grad_norm": grad_norm, **summed, **watch.tensors(norms, looped)}
         numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))

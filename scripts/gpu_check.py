@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import data
 from configurator import configure, settings_of
-from flt import checkpoint, diagnostics, planning, runtime
+from flt import checkpoint, diagnostics, planning
 from flt import errors
 from flt.errors import user_errors
 from flt.runtime import Timer, atomic_write, precision, resolve_dtype, setup, timed

@@ -521,8 +521,9 @@ def main(argv):
                        f"PNG to write (default: {command}.png in the folder the runs share)")
         p.add_argument("--force", action="store_true", help="replace --out even if this script did not write it "
                        "(a rerun replaces its own file without it)")
-    commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb where "
-                                           "no run has them), val_bpb, wiki_ppl, CORE or a task label (its raw accuracy)")
+    commands.choices["sweep"].add_argument("--metric", help="avg (of the six tasks; the default, or val_bpb "
+                                           "where no run has them), val_bpb, wiki_ppl, CORE or a task label "
+                                           "(its raw accuracy)")
     commands.choices["resid"].add_argument("--loops", nargs="+", type=int, default=[6, 9, 12], help="loops to show")
     for command in ("exit", "exit-table"):
         commands.choices[command].add_argument("--label", help="the results eval.py kept apart under this "

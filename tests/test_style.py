@@ -26,6 +26,16 @@ def test_the_tutorial_files_pass_the_linter():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def test_the_support_package_and_scripts_pass_the_linter():
+    """flt/ and scripts/, which a reader meets less often: the same rules, lines within 120
+    characters, and two blank lines around top-level definitions (pycodestyle's E30x)."""
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--preview",
+                        "--line-length=120", f"--select={RULES},E301,E302,E303,E305",
+                        "--output-format=concise", os.path.join(ROOT, "flt"), os.path.join(ROOT, "scripts")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def right_comments(source):
     """(code lines, code lines with a comment to their right), from Python's tokenizer."""
     code, commented = set(), set()
