@@ -49,7 +49,7 @@ ROPE_SPAN = 10
 @dataclass
 class GPTConfig:
     """The model's shape and its loop. vocab_size: the tokenizer's (the paper's Qwen3: 151,669;
-    the CPU BPE: 4096), padded to a multiple of 64. n_layer: L unique blocks; n_kv_head <
+    the CPU BPE: 4096), which padded_vocab rounds up to 64s. n_layer: L unique blocks; n_kv_head <
     n_head: GQA. loops: K, which forward(loops=...) overrides per call. attn: full or mla
     (latent rank kv_rank). window_pattern: L = full causal, S = a window of sequence_len // 4,
     tiled, last layer full. loss_all_loops: train on the mean loss of every loop, not only the
