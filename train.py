@@ -207,8 +207,8 @@ loader_state, monitor, saved_ranks = restore_ranks(rt, ckpt_path, meta, optimize
 if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)
 
-# The loader: this rank's batches, continued where the checkpoint left off; a synthetic task
-# (flt/tasks.py) generates its items from the seed
+# The loader: this rank's (x, y) batches, continued where the checkpoint left off. A synthetic task
+# (flt/tasks.py) generates its items from the seed; its y[i] is the answer at x[i] itself
 task = tasks.task_of(settings)
 loader = task.loader(device_batch_size, rank, world_size, device, seed, loader_state) if task else \
     data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,

@@ -34,9 +34,9 @@ A task run, from generation to score: this file, and train.py for the training.
 - the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.rows` packs
   items into rows, where y[i] is the answer at x[i] itself, not the next token;
 - the training (train.py, as for text): `task_of(settings)` is the task, `tokenizer(task)` its
-  vocabulary (train.py's inputs.tokenizer returns it) and it has no shards, no files at all;
-  `Task.loader` stands where data.DataLoader would, and `model(x, y)` takes the loss of text,
-  model.py's GPT.loss: the cross-entropy at position i against y[i], -1 skipped. train.py
+  vocabulary, and it has no shards, no files at all; `Task.loader` stands where data.DataLoader
+  would, and `model(x, y)` takes the loss of text: the cross-entropy at position i against y[i],
+  -1 skipped, which for a task is the answer at x[i] itself (train.py says so). train.py
   validates on `Task.batches(n_tokens, ...)`, the first test items, in bits per byte (eval.py's
   evaluate_bpb; an answer's UTF-8 bytes: 2 for S5's past the 84th);
 - the score (`eval.py --modes=tasks` runs `mode` below): `Task.test_items(task_items)`, packed by
@@ -323,9 +323,11 @@ def exit_accuracy(model, batches, levels, loops, exit_rule, thresholds, progress
 
 def mode(settings, job):
     """eval.py's tasks mode (flt/modes.py: PLANS): (its plan line, the forwards it will run, run()).
-    The task is rebuilt from the settings the checkpoint saved; run() scores task_items held-out
-    items at every K (accuracy) and, under exit rules, at the largest K (exit_accuracy), prints a
-    line each and returns ({K: eval.json's entries}, what was measured)."""
+    job holds what eval.py loaded: the model, the settings it was trained with (trained), this
+    process (rank, world), the loop budgets (loops, sorted), the exit rules' thresholds (exits,
+    {rule: thresholds}) and progress lines (progress). The task is rebuilt from job.trained; run()
+    scores task_items held-out items at every K (accuracy) and, under exit rules, at the largest K
+    (exit_accuracy), prints a line each and returns ({K: eval.json's entries}, what was measured)."""
     task = task_of(job.trained)
     items = task.test_items(settings.task_items)
     batches = task.batches_of(items, settings.batch_size, job.rank, job.world, difficulty=True)
