@@ -119,11 +119,20 @@ def e_in_loop_1_only(variant):
     return not restart(variant, e, norm(e), torch.ones(4)).requires_grad
 
 
+def heads_of(aspect_ratio, depth):
+    """train.py's n_head for d_model = aspect_ratio * depth (heads of at most 128 dimensions), or
+    None where d_model does not split into n_head heads of one even dimension (GPTConfig's rule)."""
+    n_embd = aspect_ratio * depth
+    n_head = math.ceil(n_embd / 128)
+    return n_head if n_embd % n_head == 0 and (n_embd // n_head) % 2 == 0 else None
+
+
 def check_settings(s, defaults):
     """ValueErrors that name the setting: values out of range, and settings that would do nothing (set
     to other than their `defaults` where nothing reads them). A value checked where it is used is not
     checked again here: device (runtime.setup), dtype (runtime.resolve_dtype), the model's shape
-    (GPTConfig), bptt_loops' range (the model's forward); keep_checkpoints by checkpoint.check_keep."""
+    (GPTConfig, but depth and aspect_ratio here: heads_of), bptt_loops' range (the model's forward);
+    keep_checkpoints by checkpoint.check_keep."""
     def bad(key, allowed):
         raise ValueError(f"{key}={s[key]!r}: expected {allowed}")
     for key in ("eval_interval", "save_interval", "device_batch_size", "total_batch_size", "eval_tokens",
@@ -131,6 +140,12 @@ def check_settings(s, defaults):
                 "core_max_per_task", "loader_prefetch", "loops", "aspect_ratio", "log_interval"):
         if s[key] < 1:
             bad(key, "a positive integer")
+    if not heads_of(s["aspect_ratio"], s["depth"]):
+        fit = [d for d in range(1, 4 * s["depth"]) if heads_of(s["aspect_ratio"], d)]
+        near = sorted(fit, key=lambda d: abs(d - s["depth"]))[:2]
+        bad("depth", f"a depth whose d_model = aspect_ratio * depth = {s['aspect_ratio'] * s['depth']} splits "
+                     f"into heads of one even dimension <= 128 (train.py's shape), e.g. depth="
+                     + " or ".join(map(str, sorted(near))) + f" at aspect_ratio={s['aspect_ratio']}")
     for key in ("keep_every", "core_interval", "divergence_window"):
         if s[key] < 0:
             bad(key, "an integer >= 0 (0 = off / keep all)")

@@ -183,6 +183,8 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(n_kv_head=0), "n_kv_head=0: expected -1 (automatic) or a positive integer"),
     (dict(depth=4, n_kv_head=3), "n_kv_head=3 is invalid: must divide n_head=2"),  # n_head = ceil(256 / 128)
     (dict(num_steps=0), "num_steps=0: expected -1"),
+    (dict(depth=5), "depth=5: expected a depth whose d_model = aspect_ratio * depth = 320 splits into heads of one "
+                    "even dimension <= 128 (train.py's shape), e.g. depth=4 or 6 at aspect_ratio=64"),
     (dict(keep_checkpoints=-1), "keep_checkpoints=-1: expected >= 1, or 0 to keep every checkpoint"),
     (dict(keep_every=-1), "keep_every=-1: expected an integer >= 0"),
     (dict(horizon_params="some"), "horizon_params='some': expected 'all' or 'non_embedding'"),
@@ -277,6 +279,23 @@ def test_the_shape_follows_from_depth():
     ceil(d_model / 128)), kv heads = heads unless n_kv_head is given (GQA)."""
     assert "depth 3 (d_model 192, 2 heads, 2 kv)" in dry_run("--depth=3")[1]  # 1.5 heads of 128: 2
     assert "depth 12 (d_model 768, 6 heads, 2 kv)" in dry_run("--depth=12", "--n_kv_head=2")[1]
+
+
+def test_a_depth_is_refused_by_name_exactly_where_the_model_could_not_be_built():
+    """heads_of (the settings check) against GPTConfig itself, at train.py's ceil(d_model / 128) heads:
+    odd depths at aspect_ratio 64 split only where depth + 1 divides 128 (1, 3, 7, 15, 31, 63)."""
+    for aspect_ratio in (32, 48, 64, 96, 128):
+        for depth in range(1, 70):
+            n_embd = aspect_ratio * depth
+            n_head = -(-n_embd // 128)
+            try:
+                GPTConfig(n_layer=depth, n_head=n_head, n_kv_head=n_head, n_embd=n_embd)
+                built = True
+            except ValueError:
+                built = False
+            assert (planning.heads_of(aspect_ratio, depth) is not None) == built, (aspect_ratio, depth)
+    odd = [d for d in range(1, 70, 2) if planning.heads_of(64, d)]
+    assert odd == [1, 3, 7, 15, 31, 63]
 
 
 def test_grad_accum_splits_the_batch_over_ranks_and_forwards():
