@@ -278,11 +278,11 @@ guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_na
               save_interval_minutes=save_interval_minutes, divergence_window=divergence_window)
 # a step's seconds by the host's clock (no sync), evaluations and saves left out
 timer = diagnostics.StepTimer()
-# One optimizer step a pass: evaluate and save; the schedules, forward and backward over the
-# micro-batches; the one reduction and the one host read; clip and step; log. to_sum: the loss,
-# the last micro-batch's loop norms summed (finite?), the guard's 0/1 host signals (preempted,
-# interrupted, save_due). watch.tensors(): 0-d device tensors, no read (tests/test_host_syncs.py:
-# one read a step). A step not finite: guard.stop_before_update logs it, every rank exits 1.
+# One optimizer step a pass: evaluate and save; schedules; forward and backward over the
+# micro-batches; one reduction and one host read; clip and step; log. Read with the norms:
+# - to_sum: the loss, the last micro-batch's loop norms summed, the guard's 0/1 signals (preempted,
+#   interrupted, save_due); watch.tensors(): the logged norms (tests/test_host_syncs.py: one read)
+# - not finite: guard.exit_before_update logs the step, and every rank exits 1 before any update
 while True:
     last_step = step == num_steps  # it only evaluates and saves: step num_steps is the final model
     record = {"step": step}
@@ -324,7 +324,7 @@ while True:
     tensors = {"grad_norm": grad_norm, **sums, **watch.tensors(sq_norms, looped)}
     numbers = dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
     if not all(math.isfinite(numbers[k]) for k in ("loss", "grad_norm", "resid_sum")):
-        guard.stop_before_update(step, numbers)
+        guard.exit_before_update(step, numbers)
     clip = clip_coefficient(numbers["grad_norm"], grad_clip)
     for opt in optimizers:
         opt.step(grad_scale=clip)

@@ -4,7 +4,7 @@ non-finite step, divergence; and, when the requeued job starts again, where it r
 
     guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, ...)
     guard.signals()                         # this rank's signal and clock (0/1), for the all-reduce
-    guard.stop_before_update(step, numbers)  # a step not finite: every rank, before the update
+    guard.exit_before_update(step, numbers)  # a step not finite: every rank exits, before the update
     guard.take_signals(numbers)             # what the ranks agreed: a preemption, a save due
     if ... or guard.save_due: guard.save(step)  # printed; a full disk stops every rank, one message
     guard.leave_if_preempted(step, last_step)   # exit PREEMPTED (75): the job script requeues;
@@ -61,7 +61,7 @@ class Guard:
         self.interrupted = numbers["interrupted"] > 0
         self.clock_due = numbers["save_due"] > 0
 
-    def stop_before_update(self, step, numbers):
+    def exit_before_update(self, step, numbers):
         """Stop every rank, before the optimizer step, of a step whose read `numbers` (loss,
         grad_norm, resid_sum: the ranks' sum of their last micro-batch's loop norms) are not
         all finite (train.py checks): the parameters stay those of a good step, logged as

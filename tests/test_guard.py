@@ -66,7 +66,7 @@ def test_a_non_finite_step_stops_every_rank_before_the_update(make_guard, capsys
                                                               resid):
     guard = make_guard(last_good="out/step_000004")
     numbers = {"loss": loss, "grad_norm": grad_norm, "resid_sum": resid}
-    code, err = stops(capsys, lambda: guard.stop_before_update(7, numbers))
+    code, err = stops(capsys, lambda: guard.exit_before_update(7, numbers))
     assert code == 1
     assert err == (f"step 7: loss {loss}, gradient norm {grad_norm}, residual norms' sum {resid}: not "
                    "finite; stopped before the optimizer step, so the parameters were not updated. "
