@@ -47,7 +47,7 @@ import torch
 
 import data
 from model import GPT, GPTConfig
-from flt import errors, runtime
+from flt import errors, owndata, runtime
 from flt.decoding import ExitGate
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
@@ -446,7 +446,9 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
         runtime.check_free_space(out_dir, needed, what(rank), hint)
         if rank == 0:
             os.makedirs(tmp)
-            write_model_file(tmp, state, model.config, step, settings, world_size=world)
+            # data: your own files' documents (owndata.data_of), which a resume and eval.py check
+            write_model_file(tmp, state, model.config, step, settings, world_size=world,
+                             data=owndata.data_of(settings))
             for name, write in (files or {}).items():
                 write(os.path.join(tmp, name))
 

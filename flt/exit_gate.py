@@ -124,7 +124,7 @@ def training_batches(model, meta, batch_size, device, n_batches):
         tokens = (n_batches + 1) * batch_size * model.config.sequence_len
         # the fewest training shards that hold them, as train.py finds them (a FineWeb run's first
         # shard is fetched if data_dir lacks it; none of num_shards' others is needed)
-        train_files = inputs.shards(settings | {"num_shards": -1}, tokens)[:-1]
+        train_files = inputs.shards(settings | {"num_shards": -1}, tokens, meta.get("data"))[:-1]
         tokenizer_file = os.path.join(meta["path"], "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(f"{tokenizer_file}: missing; the gate reads the run's training "

@@ -16,7 +16,7 @@ step runs anyway, so one signalled rank (or one node's faster clock) is enough f
 every stop names the last good checkpoint. docs/operations.md has the exit codes and the requeue.
 """
 
-from flt import checkpoint, cluster, diagnostics, planning, runtime
+from flt import checkpoint, cluster, diagnostics, owndata, planning, runtime
 from flt.runtime import print0
 
 
@@ -125,6 +125,8 @@ def resume_point(rt, out_dir, resume, settings, num_steps):
     if not (resume is True or (resume == "auto" and checkpoint.list_checkpoints(out_dir))):
         return None, None
     path, meta = checkpoint.load_newest(out_dir, rt.device, rank_files=True, log=print0)
+    # your own files must still hold the documents it trained on (and its tokenizer was trained on)
+    owndata.check_unchanged(meta.get("data"), settings, f"--resume: {path}")
     step = meta["step"]
     changed = planning.resume_changes(meta["settings"], settings, path)
     if step >= num_steps:

@@ -37,24 +37,26 @@ def vocab_size(s):
     return tokenizer(s, train_files).vocab_size
 
 
-def shards(s, tokens):
+def shards(s, tokens, data=None):
     """The shard paths, the validation shard last: the embedded corpus (built once, cached in
-    data_dir), your own data's (converted once, cached in data_dir: flt/owndata.py), or the
-    FineWeb-Edu shards that `tokens` training tokens need (num_shards)."""
+    data_dir), your own data's (converted once, cached in data_dir: flt/owndata.py; data: a
+    checkpoint's record of them, owndata.run_shards), or the FineWeb-Edu shards that `tokens`
+    training tokens need (num_shards)."""
     if s["dataset"] in tasks.TASKS:
         return []
     if s["dataset"] == "embedded":
         return corpus.embedded_corpus(s["data_dir"])
     if owndata.is_own(s["dataset"]):
-        return owndata.prepare(s["dataset"], s["val_dataset"], s["data_dir"])
+        return owndata.run_shards(s, s["data_dir"], data)
     return corpus.download_shards(planning.training_shards(s, tokens), s["data_dir"])
 
 
-def val_shard(trained, data_dir):
-    """The validation shard a run held out (eval.py's): its own data's, converted again from the
-    files its settings name if need be (nothing downloaded), else corpus.val_shard's."""
+def val_shard(trained, data_dir, data=None):
+    """The validation shard a run held out (eval.py's): its own data's (data: the checkpoint's
+    meta["data"]; owndata.run_shards: the folder it trained on, or the same documents converted
+    again from its files; nothing downloaded), else corpus.val_shard's."""
     if owndata.is_own(trained.get("dataset", "embedded")):
-        return owndata.prepare(trained["dataset"], trained.get("val_dataset", ""), data_dir)[-1]
+        return owndata.run_shards(trained, data_dir, data, what="eval.py")[-1]
     return corpus.val_shard(trained, data_dir)
 
 

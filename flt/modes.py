@@ -68,6 +68,8 @@ class Job:
         self.model = model
         self.metrics = metrics
         self.trained = meta.get("settings", {})
+        # your own data: the documents the run trained on (flt/owndata.py: run_shards)
+        self.data = meta.get("data")
         self.rt = rt
         self.rank = rt.rank
         self.world = rt.world
@@ -99,7 +101,7 @@ def validation(settings, job):
     if settings.val_files:
         files = settings.val_files.split(",")
     else:
-        shard = functools.partial(inputs.val_shard, job.trained, job.data_dir)
+        shard = functools.partial(inputs.val_shard, job.trained, job.data_dir, job.data)
         files = [runtime.rank0_first(job.rt, shard)]
     ranks, batch = settings.protocol_ranks, settings.protocol_batch
     layout = f"as the authors' {ranks} ranks x batch {batch} cut it"

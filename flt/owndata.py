@@ -49,31 +49,59 @@ def is_own(dataset):
     return dataset not in ("embedded", "fineweb", *tasks.TASKS)
 
 
-def files_of(spec):
-    """The files PATH names, sorted: a folder's files of FORMATS (hidden names skipped), a file, or
-    a glob's matches. A ValueError names what cannot be read: no files, or files of other kinds."""
+def check_data_dir(spec, data_dir):
+    """A ValueError if data_dir lies inside the folder of your files: the shards and BPE written
+    there would be read back as documents, and that folder is only ever read."""
+    inside = os.path.realpath(data_dir) + os.sep
+    if os.path.isdir(spec) and inside.startswith(os.path.realpath(spec) + os.sep):
+        raise ValueError(f"data_dir={data_dir} is inside dataset={spec}, which this project only "
+                         "reads: what it writes there would be read back as your documents; choose "
+                         "a data_dir outside it")
+
+
+def walk(folder):
+    """Every file under folder (hidden names skipped), through symlinked sub-folders once each; an
+    OSError names a sub-folder that cannot be read rather than skipping it."""
+    found, seen = [], set()
+
+    def unreadable(error):
+        raise error
+    for parent, dirs, names in os.walk(folder, onerror=unreadable, followlinks=True):
+        real = os.path.realpath(parent)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(parent, n) for n in names if not n.startswith(".")]
+    return found
+
+
+def files_of(spec, key="dataset"):
+    """The files PATH names (the setting `key`), sorted: a folder's files of FORMATS (hidden names
+    skipped), a file, or a glob's matches (a path that exists is never read as a glob). A
+    ValueError names what cannot be read: no files, or files of other kinds."""
     if os.path.isdir(spec):
-        found = []
-        for parent, dirs, names in os.walk(spec):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            found += [os.path.join(parent, n) for n in names if not n.startswith(".")]
-    elif glob.has_magic(spec):
-        found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+        found = walk(spec)
     elif os.path.isfile(spec):
         found = [spec]
+    elif glob.has_magic(spec):
+        found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+        if not found:
+            raise ValueError(f"{key}={spec}: the glob matches no file")
     else:
-        raise FileNotFoundError(f"dataset={spec!r}: no such file or folder (expected embedded, "
-                                f"fineweb, {', '.join(tasks.TASKS)}, or a folder, file or glob of "
-                                f"your text)")
-    other = sorted({os.path.splitext(p)[1] or os.path.basename(p) for p in found
-                    if os.path.splitext(p)[1].lower() not in FORMATS})
+        names = f"embedded, fineweb, {', '.join(tasks.TASKS)}, or " if key == "dataset" else ""
+        raise FileNotFoundError(f"{key}={spec!r}: no such file or folder (expected {names}a folder, "
+                                "file or glob of your text)")
+    other = [p for p in found if os.path.splitext(p)[1].lower() not in FORMATS]
     if other and os.path.isdir(spec):
-        raise ValueError(f"dataset={spec}: files of other kinds there ({', '.join(other[:8])}); a "
-                         f"folder is read for {', '.join(FORMATS)}: give a glob of the files you "
-                         f"mean, e.g. '{os.path.join(spec, '**', '*' + other[0])}' (text, one "
-                         f"document a file)")
+        kinds = sorted({os.path.splitext(p)[1] or os.path.basename(p) for p in other})
+        raise ValueError(f"{key}={spec}: {len(other)} files of other kinds there (e.g. {sorted(other)[0]}; "
+                         f"{', '.join(kinds[:8])}); a folder is read for {', '.join(FORMATS)}: give a "
+                         f"glob of the files you mean, e.g. '{os.path.join(spec, '**', '*' + kinds[0])}' "
+                         "(text, one document a file)")
     if not found:
-        raise ValueError(f"dataset={spec}: no {', '.join(FORMATS)} files there")
+        raise ValueError(f"{key}={spec}: no {', '.join(FORMATS)} files there")
     return sorted(found)
 
 
@@ -87,13 +115,15 @@ def read_documents(path):
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        text = raw.decode("utf-8")
+        # utf-8-sig: a leading byte-order mark is no part of the text
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
     if kind == "text":
         return [text] if text.strip() else []
     docs = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # JSON Lines end at \n alone: U+2028 and the like may stand raw inside a JSON string
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -114,7 +144,7 @@ def held_out(text):
 
 def name_of(spec):
     """The dataset's name in run names: the folder's or file's name (a glob: its folder's)."""
-    if glob.has_magic(spec):
+    if glob.has_magic(spec) and not os.path.exists(spec):
         spec = spec[:re.search(r"[*?[]", spec).start()]
         spec = spec if spec.endswith(os.sep) else os.path.dirname(spec)
     name = os.path.basename(os.path.normpath(spec))
@@ -125,36 +155,77 @@ def name_of(spec):
 
 @functools.lru_cache(maxsize=None)
 def split(spec, val_spec):
-    """(training documents, validation documents, {files, bytes, dropped}): every document of
+    """(training documents, validation documents, {files, bytes, dropped, key}): every document of
     spec's files, held out by val_spec's files or the hash rule; read once per process."""
     files = files_of(spec)
     docs = [d for path in files for d in read_documents(path)]
     counts = {"files": len(files), "bytes": sum(os.path.getsize(p) for p in files), "dropped": 0}
     if val_spec:
-        val = [d for path in files_of(val_spec) for d in read_documents(path)]
+        val = [d for path in files_of(val_spec, "val_dataset") for d in read_documents(path)]
         held = set(val)
         train = [d for d in docs if d not in held]
         counts["dropped"] = len(docs) - len(train)
     else:
         train = [d for d in docs if not held_out(d)]
         val = [d for d in docs if held_out(d)]
+    if val_spec and not val:
+        raise ValueError(f"val_dataset={val_spec}: its files hold no document")
+    if val_spec and not train:
+        raise ValueError(f"dataset={spec}: each of its {len(docs)} documents is also in "
+                         f"val_dataset={val_spec}, which leaves none for training")
     if not val or not train:
         side = "validation" if not val else "training"
         raise ValueError(f"dataset={spec}: {len(docs)} documents leave none for {side} (1 in "
                          f"{HOLD_OUT} is held out by its hash); give more documents, or "
                          f"--val_dataset=<other files>")
-    return train, val, counts
-
-
-def cache_dir(spec, val_spec, data_dir):
-    """data_dir/own/<name>-<key>: key hashes LAYOUT and each side's documents, in order."""
-    train, val, _ = split(spec, val_spec)
+    # the key: LAYOUT and each side's documents, in order, hashed
     key = hashlib.sha256(LAYOUT.encode())
     for side in (train, val):
         key.update(f"{len(side)}\n".encode())
         for doc in side:
             key.update(f"{len(doc)}\n{doc}".encode("utf-8"))
-    return os.path.join(data_dir, "own", f"{name_of(spec)}-{key.hexdigest()[:12]}")
+    return train, val, counts | {"key": key.hexdigest()[:12]}
+
+
+def identity(spec, val_spec):
+    """<name>-<key>, the name of the documents' cache folder (split's key), which changes with any
+    document. Saved with each checkpoint (checkpoint.save's meta["data"]): a resume and eval.py
+    check their documents against it."""
+    return f"{name_of(spec)}-{split(spec, val_spec)[2]['key']}"
+
+
+def cache_dir(spec, val_spec, data_dir):
+    """data_dir/own/<identity>: the documents' shards, converted once."""
+    return os.path.join(data_dir, "own", identity(spec, val_spec))
+
+
+def data_of(s):
+    """A run's data identity (identity) where train.py's settings s name your own files; else None."""
+    dataset = s.get("dataset", "embedded")
+    return identity(dataset, s.get("val_dataset", "")) if is_own(dataset) else None
+
+
+def run_shards(s, data_dir, saved=None, what="dataset"):
+    """The shards of a run on your own files (s: its settings; saved: its checkpoint's meta["data"]):
+    the cache folder it trained on where that is still whole, so that eval.py scores the same
+    held-out documents; else converted from the files (prepare), which must still hold them."""
+    folder = os.path.join(data_dir, "own", saved or "")
+    if saved and os.path.isdir(folder):
+        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"train_\d{5}\.parquet", n))
+        names.append("val.parquet")
+        if not corpus.verify_manifest(folder, names):
+            return [os.path.join(folder, name) for name in names]
+    check_unchanged(saved, s, what, f"the folder {folder} they were converted into")
+    return prepare(s["dataset"], s.get("val_dataset", ""), data_dir)
+
+
+def check_unchanged(saved, s, what, remedy="start a new run in another out_dir"):
+    """A ValueError naming the dataset if your own files no longer hold the documents a checkpoint
+    trained on (saved: its meta["data"]; None: another dataset, or saved before it was recorded)."""
+    if saved and data_of(s) != saved:
+        raise ValueError(f"{what}: dataset={s['dataset']} no longer holds the documents this run trained on "
+                         f"(they were {saved}, the files now give {data_of(s)}: edited, added or removed "
+                         f"since?); restore the files as they were, or {remedy}")
 
 
 def shard_names(n_train):

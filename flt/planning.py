@@ -157,6 +157,9 @@ def check_settings(s, defaults):
         bad("watch_layer", f"a layer index below depth={s['depth']}, or -1")
     if owndata.is_own(s["dataset"]):  # your own files: they must exist, of kinds it reads
         owndata.files_of(s["dataset"])
+        owndata.check_data_dir(s["dataset"], s["data_dir"])
+        if s["val_dataset"]:
+            owndata.files_of(s["val_dataset"], "val_dataset")
     for key, allowed in (("compile", ("auto", "on", "off")),
                          ("horizon_params", ("all", "non_embedding")), ("loops_sampler", LOOP_SAMPLERS),
                          ("variant", VARIANTS), ("attn", ATTNS)):

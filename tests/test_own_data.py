@@ -13,9 +13,10 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import data
-from flt import owndata, planning
+from flt import inputs, owndata, planning
 from test_nothing_lost import tree
 from test_train import ROOT, losses, python
 
@@ -65,7 +66,7 @@ def test_a_held_out_dataset_and_a_document_in_both(mixed, tmp_path):
 
 @pytest.mark.parametrize("make, error", [
     (lambda f: (f / "a.txt").write_text("x") and (f / "b.pdf").write_bytes(b"%PDF"),
-     r"files of other kinds there \(\.pdf\); a folder is read for .*give a glob"),
+     r"1 files of other kinds there \(e\.g\. .*/bad/b\.pdf; \.pdf\); a folder is read for .*give a glob"),
     (lambda f: (f / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n'),
      r"a\.jsonl:2: expected a JSON object with a string field 'text'"),
     (lambda f: (f / "a.txt").write_bytes(b"\xff\xfe caf\xe9"), r"a\.txt: not UTF-8 text"),
@@ -79,6 +80,58 @@ def test_what_cannot_be_read_is_one_line_naming_it(tmp_path, make, error):
     owndata.split.cache_clear()
     with pytest.raises(ValueError, match=error):
         owndata.split(str(folder), "")
+
+
+def test_json_lines_are_split_at_newlines_only_and_a_byte_order_mark_is_no_text(tmp_path):
+    """U+2028 and U+0085 may stand raw inside a JSON string (json.dumps(ensure_ascii=False) writes
+    them so); a file saved with a BOM (Windows editors) reads as without one."""
+    docs = [document(i) + "\u2028line\u0085next" for i in range(40)]
+    lines = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\r\n" for d in docs)
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode("utf-8"))
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbf" + document(99).encode("utf-8"))
+    train_docs, val_docs, _ = owndata.split(str(tmp_path), "")
+    assert sorted(train_docs + val_docs) == sorted(docs + [document(99)])
+
+
+def test_a_path_that_exists_is_read_as_itself_not_as_a_glob(tmp_path):
+    folder = tmp_path / "texts [v1]"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"d{i}.txt").write_text(document(i))
+    literal = tmp_path / "lines[1].jsonl"
+    literal.write_text("".join(json.dumps({"text": document(i)}) + "\n" for i in range(40)))
+    assert owndata.files_of(str(literal)) == [str(literal)]
+    assert len(owndata.files_of(str(folder))) == 40
+    assert owndata.name_of(str(folder)) == "texts__v1_" != owndata.name_of(str(tmp_path / "texts [v2]"))
+    with pytest.raises(ValueError, match=r"dataset=.*/nothing\*\.txt: the glob matches no file"):
+        owndata.files_of(str(tmp_path / "nothing*.txt"))
+
+
+def test_a_symlinked_folder_is_read_once_and_a_loop_of_links_ends(tmp_path):
+    elsewhere, folder = tmp_path / "elsewhere", tmp_path / "mine"
+    elsewhere.mkdir()
+    folder.mkdir()
+    for i in range(3):
+        (elsewhere / f"e{i}.txt").write_text(document(i))
+    (folder / "a.txt").write_text(document(9))
+    (folder / "linked").symlink_to(elsewhere)
+    (elsewhere / "back").symlink_to(folder)  # a cycle: mine/linked/back is mine
+    assert [os.path.basename(p) for p in owndata.files_of(str(folder))] == ["a.txt", "e0.txt", "e1.txt", "e2.txt"]
+
+
+def test_the_held_out_files_and_the_cache_are_named_as_such(tmp_path, mixed):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    owndata.split.cache_clear()
+    with pytest.raises(ValueError, match=r"^val_dataset=.*empty\.txt: its files hold no document$"):
+        owndata.split(str(mixed), str(empty))
+    with pytest.raises(FileNotFoundError, match=r"^val_dataset='.*/nope': no such file or folder \(expected a folder, file"):
+        owndata.split(str(mixed), str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match=r"each of its 120 documents is also in val_dataset="):
+        owndata.split(str(mixed), str(mixed))
+    with pytest.raises(ValueError, match=r"^data_dir=.*/mine/cache is inside dataset=.*/mine, which this"):
+        owndata.check_data_dir(str(mixed), str(mixed / "cache"))
+    owndata.check_data_dir(str(mixed), str(tmp_path / "mine_cache"))  # a sibling named alike is outside
 
 
 def test_a_glob_reads_files_of_any_kind_as_text(tmp_path):
@@ -145,6 +198,25 @@ def test_a_run_on_your_folder_reads_it_only_and_its_dry_run_counts_the_same_toke
     measured = json.loads((out / "step_000004" / "eval.json").read_text())
     held = [json.dumps(v) for v in measured.values()]
     assert any("val.parquet" in h for h in held), measured
+    meta = torch.load(out / "step_000004" / "model.pt", weights_only=True, map_location="cpu")
+    assert any(meta["data"] + "/val.parquet" in h for h in held)  # the folder it trained on
+
+    # Your files edited after the run: a resume is refused, one line, the run untouched ...
+    (mixed / "doc00.txt").write_text("an edited document\n")
+    run = tree(out)
+    p = python("train.py", *TINY_NO_DATA, *args, "--num_steps=6", "--resume=True")
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert f"dataset={mixed} no longer holds the documents this run trained on (they were {meta['data']}" in p.stderr
+    assert tree(out) == run
+    # ... and eval.py still scores the documents the run held out, from the folder it trained on;
+    # that folder gone, it refuses to score others
+    owndata.split.cache_clear()
+    trained = meta["settings"]
+    assert inputs.val_shard(trained, str(own_dir), meta["data"]) == str(own_dir / "own" / meta["data"] / "val.parquet")
+    os.rename(own_dir / "own" / meta["data"], tmp_path / "moved")
+    with pytest.raises(ValueError, match=f"eval.py: dataset={mixed} no longer holds the documents .* restore the "
+                                         f"files as they were, or the folder {own_dir}/own/{meta['data']}"):
+        inputs.val_shard(trained, str(own_dir), meta["data"])
 
 
 def test_the_dry_runs_bpe_is_the_one_the_run_trains(mixed, tmp_path):
