@@ -536,6 +536,18 @@ def run_files(out_dir):
     return sorted(name for name in os.listdir(out_dir) if name in RUN_FILES or RUN_DIRS.fullmatch(name))
 
 
+def check_no_results(out_dir, doing):
+    """A ValueError naming them if a run's step directories hold files train.py did not write
+    (eval.py's eval.json and eval.md, a gate, lm_eval.json, notes): `doing` would delete them."""
+    foreign = [os.path.join(name, f) for name in run_files(out_dir) if os.path.isdir(os.path.join(out_dir, name))
+               for f in sorted(os.listdir(os.path.join(out_dir, name))) if not CHECKPOINT_FILE.fullmatch(f)]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ValueError(f"{doing} would delete {shown} in out_dir={out_dir!r}, which train.py did not "
+                         "write (results of the old run, or your files): move them out first, or choose "
+                         "another --out_dir")
+
+
 def check_settings_file(out_dir):
     """A settings.json in out_dir must be one train.py wrote (a JSON object of its settings): a
     user's file of that name is refused, never replaced."""
@@ -571,6 +583,7 @@ def prepare_out_dir(out_dir, resume, overwrite, log=print):
     found = steps + [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
     replaced = os.path.join(out_dir, REPLACED)
     if resume == "auto" and not steps:
+        check_no_results(out_dir, "--resume=auto (no checkpoint to resume: starting afresh)")
         remove_run_files(out_dir)
         return None
     if resume:
@@ -588,10 +601,13 @@ def prepare_out_dir(out_dir, resume, overwrite, log=print):
         if steps:
             raise ValueError(f"out_dir={out_dir!r} holds a run with checkpoints and {replaced}, a run "
                              f"--overwrite set aside: delete one of them by hand, then run again")
+        check_no_results(out_dir, "--overwrite")
         remove_run_files(out_dir)
         log(f"{replaced} still holds the run an earlier --overwrite replaced; it stays until this "
             f"run saves its first checkpoint")
     elif found:
+        # moved aside, then deleted once this run saves: nothing in it may be anyone else's
+        check_no_results(out_dir, "--overwrite")
         os.makedirs(replaced)
         for name in run_files(out_dir):
             os.replace(os.path.join(out_dir, name), os.path.join(replaced, name))

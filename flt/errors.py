@@ -21,14 +21,14 @@ import sys
 import traceback
 
 # What a user's input or machine raises. A full disk is an OSError with errno ENOSPC (or EDQUOT):
-# runtime.DiskSpaceError, checked before writing, or the write itself.
+# runtime.DiskSpaceError, checked before writing, or the write itself; a read-only one, EROFS.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
                PermissionError, ConnectionError)
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def is_user_error(e):
-    return isinstance(e, USER_ERRORS) or (isinstance(e, OSError) and e.errno in FULL_DISK)
+    return isinstance(e, USER_ERRORS) or (isinstance(e, OSError) and e.errno in DISK_ERRNOS)
 
 
 def line(program, e):

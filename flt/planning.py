@@ -143,9 +143,10 @@ def check_settings(s, defaults):
     if not heads_of(s["aspect_ratio"], s["depth"]):
         fit = [d for d in range(1, 4 * s["depth"]) if heads_of(s["aspect_ratio"], d)]
         near = sorted(fit, key=lambda d: abs(d - s["depth"]))[:2]
-        bad("depth", f"a depth whose d_model = aspect_ratio * depth = {s['aspect_ratio'] * s['depth']} splits "
-                     f"into heads of one even dimension <= 128 (train.py's shape), e.g. depth="
-                     + " or ".join(map(str, sorted(near))) + f" at aspect_ratio={s['aspect_ratio']}")
+        raise ValueError(f"depth={s['depth']}, aspect_ratio={s['aspect_ratio']}: d_model = aspect_ratio * depth = "
+                         f"{s['aspect_ratio'] * s['depth']} does not split into heads of one even dimension "
+                         f"<= 128 (train.py's shape); e.g. depth=" + " or ".join(map(str, sorted(near)))
+                         + f" at aspect_ratio={s['aspect_ratio']}")
     for key in ("keep_every", "core_interval", "divergence_window"):
         if s[key] < 0:
             bad(key, "an integer >= 0 (0 = off / keep all)")

@@ -201,14 +201,20 @@ def temp_path(path):
 
 def atomic_write(path, content):
     """Write content (str, bytes, or a function that writes the file it is given) to path + a temp
-    suffix, then rename it over path: readers see the old file or the new one, never half of one."""
+    suffix, then rename it over path: readers see the old file or the new one, never half of one. A
+    write that fails (a full disk) leaves no temp file behind."""
     tmp = temp_path(path)
-    if callable(content):
-        content(tmp)
-    else:
-        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
-            f.write(content)
-    os.replace(tmp, path)
+    try:
+        if callable(content):
+            content(tmp)
+        else:
+            with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 @contextlib.contextmanager

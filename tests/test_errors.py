@@ -27,6 +27,7 @@ def python(*argv):
     (FileNotFoundError(2, "No such file or directory", "config/nope.py"), True),
     (runtime.DiskSpaceError("checkpoint step 4", "out", 2_000_000, 1_000, "free some space"), True),
     (OSError(errno.ENOSPC, "No space left on device"), True),  # the disk filled during a write
+    (OSError(errno.EROFS, "Read-only file system", "data/embedded.lock"), True),  # a read-only data_dir
     (ConnectionError("download failed after 1 attempts"), True),
     (PermissionError(13, "Permission denied", "out/run"), True),
     (RuntimeError("an invariant broke"), False), (KeyError("step"), False), (OSError(errno.EIO, "I/O"), False),

@@ -43,7 +43,7 @@ def cases(t):
              f"tokenizer='{w}/nope.json'"),
             ([f"--out_dir={w}/run", f"--data_dir={file}"], f"data_dir={file}"),
             # the model's shape, before the run directory and the corpus
-            ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--aspect_ratio=33"], "n_embd=99"),
+            ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--aspect_ratio=33"], "aspect_ratio=33"),
             ([f"--out_dir={w}/run", f"--data_dir={w}/data", "--n_kv_head=5"], "n_kv_head=5"),
             ([f"--out_dir={w}/run", "--dataset=s4"], "dataset='s4'"),
             ([f"--out_dir={w}/run", "--dataset=chains", "--sample_tokens=0", "--sequence_len=16"],

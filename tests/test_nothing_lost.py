@@ -8,6 +8,7 @@ byte for byte as it was. And train.py's run directory: the lock before anything 
 saved, pruning deleting a checkpoint's files only, --resume=auto refusing another run's schedule, a
 resumed log holding each step once, and a save's failure on a full disk one line."""
 import json
+import errno
 import os
 import shutil
 import textwrap
@@ -477,3 +478,39 @@ def test_a_run_that_ends_on_a_failed_download_leaves_no_empty_data_dir(tmp_path)
     p = train(tmp_path / "new" / "run", tmp_path / "new" / "data", script=runner(tmp_path, fails), check=False)
     assert p.returncode == 1 and p.stderr.strip() == "train.py: ConnectionError: download failed: offline"
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_replacing_a_run_never_deletes_results_or_notes_in_its_step_directories(tmp_path, weights):
+    """--overwrite moves a run aside and deletes it once the new one saves; --resume=auto on a run
+    with no checkpoint left (its weights removed to save disk) deletes what it wrote. Neither may
+    take eval.py's results or a user's notes with it: both are refused, one line, nothing touched."""
+    out = tmp_path / "run"
+    step = out / "step_000020"
+    step.mkdir(parents=True)
+    if weights:
+        (step / "model.pt").write_bytes(b"weights")
+        (step / "rank0.pt").write_bytes(b"state")
+    (step / "eval.json").write_text("{}")
+    (step / "notes.txt").write_text("mine")
+    (out / "log.jsonl").write_text('{"step": 0}\n')
+    before = tree(out)
+    doing = "--overwrite" if weights else r"--resume=auto \(no checkpoint to resume: starting afresh\)"
+    resume, overwrite = (False, True) if weights else ("auto", False)
+    with pytest.raises(ValueError, match=rf"^{doing} would delete step_000020/eval\.json, step_000020/notes\.txt "
+                                         r"in out_dir=.*, which train\.py did not write"):
+        checkpoint.prepare_out_dir(str(out), resume, overwrite, log=lambda *a: None)
+    assert tree(out) == before
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "eval.json"
+    path.write_text("the old results")
+
+    def fills_the_disk(tmp):
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError):
+        runtime.atomic_write(str(path), fills_the_disk)
+    assert os.listdir(tmp_path) == ["eval.json"] and path.read_text() == "the old results"

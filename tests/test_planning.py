@@ -183,8 +183,8 @@ def test_the_defaults_and_every_allowed_choice_pass():
     (dict(n_kv_head=0), "n_kv_head=0: expected -1 (automatic) or a positive integer"),
     (dict(depth=4, n_kv_head=3), "n_kv_head=3 is invalid: must divide n_head=2"),  # n_head = ceil(256 / 128)
     (dict(num_steps=0), "num_steps=0: expected -1"),
-    (dict(depth=5), "depth=5: expected a depth whose d_model = aspect_ratio * depth = 320 splits into heads of one "
-                    "even dimension <= 128 (train.py's shape), e.g. depth=4 or 6 at aspect_ratio=64"),
+    (dict(depth=5), "depth=5, aspect_ratio=64: d_model = aspect_ratio * depth = 320 does not split into heads of "
+                    "one even dimension <= 128 (train.py's shape); e.g. depth=4 or 6 at aspect_ratio=64"),
     (dict(keep_checkpoints=-1), "keep_checkpoints=-1: expected >= 1, or 0 to keep every checkpoint"),
     (dict(keep_every=-1), "keep_every=-1: expected an integer >= 0"),
     (dict(horizon_params="some"), "horizon_params='some': expected 'all' or 'non_embedding'"),
