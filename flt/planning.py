@@ -238,6 +238,14 @@ def resume_changes(saved, s, path):
     if refused := [k for k in changed if k not in RESUMABLE]:
         raise ValueError(f"--resume: settings {refused} differ from the checkpoint {path}; "
                          f"only {sorted(RESUMABLE)} may change")
+    # what the run chose to keep stays: a resume that would prune more must say so on purpose
+    kept, keep = saved.get("keep_checkpoints", 0), s.get("keep_checkpoints", 0)
+    every = saved.get("keep_every", 0)
+    if keep and (not kept or keep < kept) or every and s.get("keep_every") != every:
+        raise ValueError(f"--resume: keep_checkpoints={keep}, keep_every={s.get('keep_every', 0)} would delete "
+                         f"checkpoints the run kept (it had keep_checkpoints={kept}, keep_every={every}): give "
+                         f"--keep_checkpoints={kept} --keep_every={every}, or delete the ones you do not want "
+                         "yourself")
     schedule = [f"{k}={s[k]} (the checkpoint's run: {saved[k]})" for k in changed if k in SCHEDULE]
     if s.get("resume") == "auto" and schedule:
         raise ValueError(f"--resume=auto: {', '.join(schedule)} differs from {path}: that would "

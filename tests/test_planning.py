@@ -328,6 +328,25 @@ def test_resume_may_change_only_the_resumable_settings():
     assert planning.RESUMABLE < set(DEFAULTS)  # every name in it is a setting
 
 
+@pytest.mark.parametrize("saved, now, refused", [
+    (dict(keep_checkpoints=0), dict(keep_checkpoints=2), True),  # a resume that forgot --keep_checkpoints=0
+    (dict(keep_checkpoints=5), dict(keep_checkpoints=2), True),
+    (dict(keep_checkpoints=2, keep_every=100), dict(keep_checkpoints=2, keep_every=0), True),
+    (dict(keep_checkpoints=2), dict(keep_checkpoints=5), False),  # keeping more deletes nothing
+    (dict(keep_checkpoints=2), dict(keep_checkpoints=0), False),
+    (dict(keep_checkpoints=2), dict(keep_checkpoints=2, keep_every=50), False),
+])
+def test_a_resume_never_prunes_what_the_run_chose_to_keep(saved, now, refused):
+    saved, now = DEFAULTS | saved, DEFAULTS | now | {"resume": True}
+    if not refused:
+        assert "resume" in planning.resume_changes(saved, now, "ckpt")
+        return
+    with pytest.raises(ValueError, match=rf"^--resume: keep_checkpoints={now['keep_checkpoints']}, keep_every="
+                                         rf"{now['keep_every']} would delete checkpoints the run kept \(it had "
+                                         rf"keep_checkpoints={saved['keep_checkpoints']}, keep_every="):
+        planning.resume_changes(saved, now, "ckpt")
+
+
 def test_plan_names_what_it_cannot_count():
     with pytest.raises(ValueError, match="tokenizer='gpt2' is not a local file"):
         planning.planned_vocab(DEFAULTS | dict(tokenizer="gpt2"))
