@@ -70,7 +70,7 @@ seed = 42                       # sample mode: sampling seed when temperature > 
 cache_slots = None              # sample mode: KV cache loop slots per layer, 1..K; None = K (exact)
 draft_loops = None              # sample mode: draft with K_d < K loops, verify with all K
 draft_len = 4                   # sample mode: tokens drafted a round (with draft_loops)
-out = ""                        # JSON path, not .md; empty = <step dir>/eval.json (eval.md beside)
+out = ""                        # a .json (new, or eval.py's); empty = <step dir>/eval.json
 dtype = ""                      # bf16 | fp32; empty = the dtype the checkpoint was trained with
 exit_rules = "kl"               # exit (and tasks) mode: comma-separated rules of EXIT_RULES
 exit_thresholds = ""            # exit mode: comma-separated thresholds of its rules but argmax

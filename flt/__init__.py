@@ -1,12 +1,12 @@
 """Support code for the tutorial files at the repository root, one job a module: settings checks and
-run planning (planning), where a process runs (runtime), downloads and corpora (corpus), your own
-text as a dataset (owndata), train.py's data and tokenizer (inputs), the loader's argument checks
-and resume (loader_state), checkpoints (checkpoint), cluster life (cluster), the duties of a real
-run that train.py's loop calls (guard), what training records (diagnostics), eval.py's settings
-(eval_settings), its modes (modes) and what it reports, formatted (report), CORE's prompts (core),
-experiment tracking (tracking), --help and a script's settings (usage), the one-line error for a
-user's mistake (errors), and a run of the authors' code read into this format (authors). hf_remote/
-is the transformers wrapper a Hugging Face export ships.
+run planning (planning), where a process runs (runtime), files written whole (files), downloads and
+corpora (corpus), your own text as a dataset (owndata), train.py's data and tokenizer (inputs), the
+loader's argument checks and resume (loader_state), checkpoints (checkpoint), cluster life
+(cluster), the duties of a real run that train.py's loop calls (guard), what training records
+(diagnostics), eval.py's settings (eval_settings), its modes (modes) and what it reports, formatted
+(report), CORE's prompts (core), experiment tracking (tracking), --help and a script's settings
+(usage), the one-line error for a user's mistake (errors), and a run of the authors' code read into
+this format (authors). hf_remote/ is the transformers wrapper a Hugging Face export ships.
 
 A reader of the paper needs none of it. Three modules go beyond the paper and are worth
 reading: decoding's KV cache of loop slots and the exit rules (decoding), which model.py's loop

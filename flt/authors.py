@@ -183,14 +183,86 @@ def run_settings(config, tokenizer, embedding_dtype, source):
     return settings
 
 
+def written_files(out):
+    """The files a previous import wrote in out (paths relative to it), read from its imported.json:
+    that, settings.json, step_<step>/model.pt and its tokenizer.json; None if out has no readable
+    imported.json of this import (its source and step)."""
+    try:
+        with open(os.path.join(out, checkpoint.IMPORTED)) as f:
+            record = json.load(f)
+        step = record["step"]
+        source = record["source"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(source, str):
+        return None
+    step_dir = checkpoint.step_name(step)
+    return {checkpoint.IMPORTED, "settings.json", f"{step_dir}/model.pt", f"{step_dir}/tokenizer.json"}
+
+
+def not_written(out, written):
+    """What out holds that is not in `written` (its files, relative paths): each such file, and each
+    folder holding none of them (with a trailing /), sorted."""
+    folders = {os.path.dirname(path) for path in written} - {""}
+    found = []
+    for parent, dirs, files in os.walk(out):
+        rel = os.path.relpath(parent, out)
+        rel = "" if rel == "." else rel + "/"
+        found += [rel + d + "/" for d in dirs if rel + d not in folders]
+        dirs[:] = [d for d in dirs if rel + d in folders]  # a foreign folder is named, not entered
+        found += [rel + name for name in files if rel + name not in written]
+    return sorted(found)
+
+
+def check_out(src, out, tokenizer, force):
+    """A ValueError naming out, before any work, unless out is absent or, with force, a previous
+    import holding only what it wrote (written_files): --force never replaces their checkpoint dir,
+    a folder holding it or the tokenizer, a folder inside their dir, a training run, an import
+    holding files put there since (eval.py's eval.json), or any other folder or file
+    (scripts/export_hf.py's check_out is the same rule for an export)."""
+    if not os.path.exists(out):
+        return
+    if not force:
+        raise ValueError(f"{out} already exists; choose another directory or --force to replace it")
+    real = os.path.realpath(out)
+    # what is imported: in out or out itself, or (their dir) around out; links followed
+    for what, path in (("their checkpoint dir", src), ("the tokenizer", tokenizer)):
+        if path is not None and os.path.commonpath([os.path.realpath(path), real]) == real:
+            raise ValueError(f"{out}: holds {what} being imported ({path}); --force never replaces it: "
+                             f"choose another directory")
+    if os.path.commonpath([os.path.realpath(src), real]) == os.path.realpath(src):
+        raise ValueError(f"{out}: inside their checkpoint dir being imported ({src}); --force never "
+                         f"replaces a folder there: choose another directory")
+    if not os.path.isdir(out):
+        raise ValueError(f"{out}: not a folder this import wrote (no {checkpoint.IMPORTED}): a file; --force "
+                         f"replaces only a previous import: choose another directory, or move it")
+    names = sorted(os.listdir(out))
+    run = [name for name in ("model.pt", "log.jsonl") if name in names]
+    run += [f"{d}/model.pt" for d in names
+            if d.startswith("step_") and os.path.exists(os.path.join(out, d, "model.pt"))]
+    written = written_files(out)
+    if written is None and run:
+        raise ValueError(f"{out}: holds a training run ({', '.join(run[:3])}); --force replaces only a "
+                         f"previous import: choose another directory")
+    if written is None:
+        held = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ValueError(f"{out}: not a folder this import wrote (no {checkpoint.IMPORTED}): it holds "
+                         f"{held or 'nothing'}; --force replaces only a previous import: choose another "
+                         f"directory, or move it")
+    if foreign := not_written(out, written):
+        raise ValueError(f"{out}: holds {', '.join(foreign)}, which the import did not write (results "
+                         f"of the old weights, your files): move them out first, or import to another "
+                         f"directory")
+
+
 def import_run(src, out, step=None, tokenizer=None, force=False, data_dir=corpus.DEFAULT_DATA_DIR,
                log=print):
     """Write the run dir `out` from their checkpoint dir `src`; step: theirs (None: the newest);
     tokenizer: a tokenizer.json (None: Qwen3's). Everything is read and checked before anything is
-    written, and `out` appears whole or not at all. Returns (the step directory, the record)."""
+    written, and `out` appears whole or not at all; force: replace a previous import at out, and
+    nothing else (check_out). Returns (the step directory, the record)."""
     out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise ValueError(f"{out} already exists; choose another directory or --force to replace it")
+    check_out(src, out, tokenizer, force)
     step, model_file, meta_file = find_step(src, step)
     meta, theirs = read_meta(meta_file)
     config, notes = our_config(theirs, meta_file)

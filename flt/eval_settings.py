@@ -1,6 +1,7 @@
 """eval.py's settings, read and checked before any work. A bad value, or a setting that none of the
-modes asked for reads, is a ValueError (a FileNotFoundError for a path) naming what the user typed
-and what it allows; eval.py prints it as one line (flt/errors.py).
+modes asked for reads, is a ValueError (a FileNotFoundError for a path; a FileExistsError for an
+--out eval.py did not write) naming what the user typed and what it allows; eval.py prints it as one
+line (flt/errors.py).
 
     path, settings = eval_settings.read(argv, settings_of(globals()), __file__)
     run_modes = eval_settings.chosen_modes(settings.modes)        # in the order of modes.PLANS
@@ -8,6 +9,7 @@ and what it allows; eval.py prints it as one line (flt/errors.py).
     exits = eval_settings.exit_plan(settings, defaults, run_modes)   # {rule: thresholds}
     eval_settings.check_checkpoint(settings.modes, run_modes, meta)   # once it is loaded
     eval_settings.check_gate(settings, exits, model, meta)            # the gate rule has a gate
+    eval_settings.check_out(settings.out)   # read's check of --out: a .json path, eval.py's own if it exists
 
 `settings` holds the values as given (eval.json records them); the functions above parse the lists.
 """
@@ -15,7 +17,7 @@ import os
 from types import SimpleNamespace
 
 from configurator import configure
-from flt import errors, tasks, tracking
+from flt import errors, report, tasks, tracking
 from flt.decoding import EXIT_RULES, check_cache_slots
 from flt.drafting import check_draft
 from flt.modes import PLANS, sample_prompts
@@ -71,16 +73,45 @@ def read(argv, defaults, source):
     if settings.dtype:
         dtype_bytes(settings.dtype)
     if settings.out:
-        errors.output_file("--out", settings.out)
-        # the JSON's table goes to the .md beside it: the same file, were --out one
-        if os.path.splitext(settings.out)[1].lower() == ".md":
-            raise ValueError(f"--out={settings.out}: the JSON file, and eval.py writes its table to the "
-                             ".md beside it: give a .json path (e.g. results.json, its table results.md)")
+        check_out(settings.out)
     errors.directory("--data_dir", settings.data_dir)
     if settings.wandb:
         # installed? found before any model time is spent
         tracking.require("--wandb=True")
     return checkpoint_path(argv[0]), settings
+
+
+def check_out(path):
+    """--out=path: the JSON file eval.py merges its results into (report.write_results), its table
+    written to the .md beside it. A ValueError unless path ends in .json (a .md: the table's own
+    file); a FileNotFoundError without its directory; a FileExistsError if a file there is not an
+    eval.json eval.py wrote (eval_py_wrote): a checkpoint's file, lm_eval_flt's lm_eval.json, a
+    user's JSON, one cut off. Each names path and touches nothing. An eval.json of another
+    checkpoint is eval.py's own: write_results renames it aside."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".md":
+        # the JSON's table goes to the .md beside it: the same file, were --out one
+        raise ValueError(f"--out={path}: the JSON file, and eval.py writes its table to the .md beside it: "
+                         "give a .json path (e.g. results.json, its table results.md)")
+    if ext != ".json":
+        raise ValueError(f"--out={path}: not a .json path; eval.py writes its JSON there and its table to the "
+                         ".md beside it: give a .json path (e.g. results.json, its table results.md)")
+    errors.output_file("--out", path)
+    if os.path.exists(path) and not eval_py_wrote(path):
+        raise FileExistsError(f"--out={path}: exists, and is not an eval.json of eval.py, which would merge its "
+                              "results into it: move the file, or give --out another .json path")
+
+
+def eval_py_wrote(path):
+    """Whether the file at path is an eval.json eval.py wrote: report.read_results reads it, and each
+    of its runs is eval.py's, its settings naming the modes run (lm_eval_flt's lm_eval.json has the
+    same layout, its runs the harness's tasks)."""
+    try:
+        runs = report.read_results(path)["runs"]
+    except (ValueError, OSError):
+        return False
+    settings = [r.get("settings") if isinstance(r, dict) else None for r in runs.values()]
+    return bool(settings) and all(isinstance(s, dict) and "modes" in s for s in settings)
 
 
 def chosen_modes(value):

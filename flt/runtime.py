@@ -5,7 +5,7 @@
     dtype = runtime.resolve_dtype(dtype, rt.device_type)   # "auto" = bf16 on CUDA, fp32 elsewhere
     autocast = runtime.precision(model, rt.device_type, dtype)   # eval.py; train.py writes it out
     runtime.print0(...)               # rank 0 only
-    runtime.atomic_write(path, text)  # readers never see half a file
+    runtime.atomic_write(path, text)  # readers never see half a file (flt/files.py, torch-free)
     runtime.check_free_space(path, n, "what", "hint")  # DiskSpaceError unless n bytes fit there
     with runtime.Timer(device) as took: work()   # took.seconds; runtime.timed(work, device) the same
     with runtime.evaluating(model, autocast): ...   # train.py's evaluations: eval mode, eager
@@ -17,7 +17,6 @@ import errno
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from flt.files import atomic_write, temp_path  # noqa: F401 (runtime.atomic_write, as ever)
 from optim import COLLECTIVES
 
 
@@ -190,31 +190,6 @@ def store_embedding(model, dtype):
     """The token embedding's storage dtype, part of the function the model computes: bf16 under
     "bf16" (as the authors' base_train.py), else fp32."""
     model.transformer.wte.to(torch.bfloat16 if dtype_bytes(dtype) == 2 else torch.float32)
-
-
-def temp_path(path):
-    """path + a suffix no other process writes to: its host and pid. Processes on several nodes may
-    prepare files in one shared directory at once (flock does not reach across NFS or Lustre
-    clients everywhere), and pids alone repeat across hosts (containers start them at 1)."""
-    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-
-
-def atomic_write(path, content):
-    """Write content (str, bytes, or a function that writes the file it is given) to path + a temp
-    suffix, then rename it over path: readers see the old file or the new one, never half of one. A
-    write that fails (a full disk) leaves no temp file behind."""
-    tmp = temp_path(path)
-    try:
-        if callable(content):
-            content(tmp)
-        else:
-            with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
-                f.write(content)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 @contextlib.contextmanager

@@ -608,21 +608,24 @@ def default_decoding(path):
 
 
 def checked_runs():
-    """`run`'s paths, with --plot's directory and --baseline's commit, each checked before any
-    measuring: a missing run, directory or revision is one line naming it."""
+    """(`run`'s paths, the file --plot's figure goes to: None without one), each checked before any
+    measuring, with --baseline's commit: a missing run, directory or revision is one line naming it.
+    --plot is checked as scripts.plot checks its --out (plot.out_file): the file savefig writes (with
+    .png where it has no extension), replaced only if a figure of scripts.plot or bench (save marks
+    both) is there."""
     from flt import checkpoint
+    from scripts.plot import out_file
     runs = (run or "out/d3_flt_k3").split(",")
     for path in runs:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--run: {path}: no such run directory")
         checkpoint.candidates(path)
-    if plot:
-        errors.output_file("--plot", plot)
+    figure = out_file("--plot", plot, figure=True) if plot else None
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if baseline and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{baseline}^{{commit}}"],
                                    cwd=root, capture_output=True).returncode:
         raise ValueError(f"--baseline={baseline}: no such git commit in {root}")
-    return runs
+    return runs, figure
 
 
 def cache():
@@ -634,13 +637,13 @@ def cache():
     per-token differences; greedy agreement with exact decoding (GEN tokens after each of CACHE_SEQS
     prompts: the mean fraction before the first difference, and overall); decode tokens/s per m, timed
     side by side (every m once a round, median of `repeats`). plot: the figure; baseline: default_decoding."""
-    runs = checked_runs()
+    runs, figure = checked_runs()
     results = [loop_cache_rows(path) for path in runs]
     print(f"\ndevice {device}, {dtype}; price = bpb cached - bpb full forward; decode tok/s (prefill included): "
           f"median of {repeats}, every m once a round")
     print("\n".join(r.what for r in results) + "\n" + cache_table(results))
-    if plot:
-        cache_plot(results, plot)
+    if figure:
+        cache_plot(results, figure)
     if baseline:
         default_decoding(runs[0])
 
@@ -731,13 +734,13 @@ def speculative():
     decoding: tokens/s side by side (every cell once a round, median of `repeats`), the share of
     drafts accepted, tokens a round, and whether the tokens are identical. plot: the figure;
     baseline: the default decode path against that commit's."""
-    runs = checked_runs()
+    runs, figure = checked_runs()
     results = [speculative_rows(path) for path in runs]
     print(f"\ndevice {device}, {dtype}; greedy, {GEN} tokens after {PROMPT_TOKENS}; tok/s: median "
           f"of {repeats}, prefill included")
     print(speculative_table(results))
-    if plot:
-        speculative_plot(results, plot)
+    if figure:
+        speculative_plot(results, figure)
     if baseline:
         default_decoding(runs[0])
 

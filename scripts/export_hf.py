@@ -21,7 +21,8 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     drafting.py              flt/drafting.py, generate's token choice and drafting, which it imports
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
---force replaces a previous export only: never the run exported, a folder holding a run, or another folder.
+--force replaces a previous export only: never the run exported, a folder holding a run, or another folder;
+nor an export holding files it did not write (eval.py's eval.json, a model card): move them out first.
 """
 import json
 import os
@@ -42,6 +43,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE = [os.path.join(ROOT, "flt", "hf_remote", name) for name in ("configuration_flt.py", "modeling_flt.py")]
 CODE += [os.path.join(ROOT, "model.py")]
 CODE += [os.path.join(ROOT, "flt", name) for name in ("decoding.py", "drafting.py")]
+# every file an export writes (export): what --force may replace; anything else in <out> is the user's
+WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+           "run.json", *(os.path.basename(path) for path in CODE))
 AUTO_MAP = {"AutoConfig": "configuration_flt.FLTConfig", "AutoModelForCausalLM": "modeling_flt.FLTForCausalLM"}
 
 
@@ -53,8 +57,9 @@ def write_json(path, obj):
 
 def check_out(run, out, force):
     """A ValueError naming out, before any work, unless out is absent or, with force, a previous export
-    (config.json of model_type "flt" and run.json): --force never replaces the run being exported, a
-    folder that holds a run (model.pt, log.jsonl, a step_*/model.pt), or any other folder or file."""
+    (config.json of model_type "flt" and run.json) holding only files an export writes (WRITTEN): --force never
+    replaces the run being exported, a folder that holds a run (model.pt, log.jsonl, a step_*/model.pt), files
+    put in an export since (eval.py's eval.json, a model card), or any other folder or file."""
     if not os.path.exists(out):
         return
     if not force:
@@ -78,6 +83,12 @@ def check_out(run, out, force):
     if not exported:
         raise ValueError(f"{out}: not a previous export (config.json of model_type 'flt' and run.json); "
                          "--force replaces only an export: choose another folder, or move it")
+    # what eval.py (eval.json, eval.md), lm_eval_flt or the user put there since: refused, never deleted
+    foreign = [name + "/" if os.path.isdir(os.path.join(out, name)) else name for name in sorted(os.listdir(out))
+               if name not in WRITTEN or os.path.isdir(os.path.join(out, name))]
+    if foreign:
+        raise ValueError(f"{out}: holds {', '.join(foreign)}, which the export did not write (results of the old "
+                         "weights, your files): move them out first, or export to another folder")
 
 
 def export(run, out, loops=None, force=False, log=print):
@@ -129,8 +140,8 @@ def main(argv):
     p.add_argument("run", help="a run's out_dir (its newest readable step_*) or a step directory")
     p.add_argument("out", help="the folder to write (it must not exist, unless --force)")
     p.add_argument("--loops", type=int, default=None, help="the default K of the export; default: the run's")
-    p.add_argument("--force", action="store_true", help="replace <out> if it is a previous export (never a run "
-                   "or any other folder)")
+    p.add_argument("--force", action="store_true", help="replace <out> if it is a previous export holding only its own "
+                   "files (never a run or any other folder)")
     args = p.parse_args(argv)
     if not os.path.exists(args.run):
         raise FileNotFoundError(f"run {args.run!r}: no such directory")

@@ -11,7 +11,9 @@ model_<step>.pt and meta_<step>.json (their checkpoint_manager.py); the newest s
 unless --step picks one. The tokenizer is Qwen3's, as in their training:
 --tokenizer gives a local tokenizer.json, else the copy the data pipeline keeps in data/ (downloaded
 if missing). Everything is checked before anything is written; <out> appears whole, and an existing
-one is replaced only with --force. The imported run is evaluated, sampled and exported as any run
+one is replaced only with --force, only if this command wrote it and it holds nothing else (never a
+training run, their dir, a folder holding it or the tokenizer, or an import holding eval.py's
+results: move them out first). The imported run is evaluated, sampled and exported as any run
 here; it is not trained further (their optimizer state is not read; train.py --resume refuses it).
 """
 import argparse
@@ -31,7 +33,9 @@ def main(argv):
                    help="their step to import; default: the newest")
     p.add_argument("--tokenizer", default=None,
                    help="a local tokenizer.json (Qwen3's); default: the data pipeline's copy")
-    p.add_argument("--force", action="store_true", help="replace <out> if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace <out> if it is a previous import holding only its own files (never a "
+                        "run, their dir or any other folder)")
     args = p.parse_args(argv)
     if not os.path.exists(args.src):
         raise FileNotFoundError(f"{args.src!r}: no such directory")

@@ -22,7 +22,8 @@ eval.json (given, in the step directory given, or in the run's newest step_* tha
 name; --labels overrides. Training losses are smoothed by an EMA with beta 0.9, as in the paper.
 An --out that exists is replaced only if this script wrote it (a rerun): a figure that names it as
 its Creator, a table that is its table and nothing else; any other file is refused before any
-work, unless --force.
+work, unless --force. A figure's --out without an extension is the .png savefig writes. Outputs
+are written whole or not at all (a temporary file beside them, renamed over them).
 """
 import argparse
 import json
@@ -31,6 +32,7 @@ import os
 import sys
 
 from flt import errors, report
+from flt.files import atomic_write
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -467,20 +469,43 @@ def written_here(path):
             and all(line.startswith(b"|") for line in content.splitlines()))
 
 
-def check_out(path, force):
+def check_out(path, force, key="--out"):
     """A FileExistsError naming path, found before any work, if it exists and this script did not
-    write it, unless force."""
+    write it, unless force (None: the program, scripts.bench, has no --force)."""
     if os.path.exists(path) and not force and not written_here(path):
-        raise FileExistsError(f"--out={path}: exists, and {MARK} did not write it: choose another --out, "
-                              "move the file, or add --force to replace it")
+        way = (f"choose another {key}, move the file, or add --force to replace it" if force is not None
+               else f"choose another {key}, or move the file")
+        raise FileExistsError(f"{key}={path}: exists, and {MARK} did not write it: {way}")
+
+
+def figure_path(path):
+    """The file savefig writes for path: path itself, or, where it has no extension, path with
+    matplotlib's default one (fig, fig. -> fig.png), as savefig adds it (save passes the format)."""
+    return path if os.path.splitext(path)[1][1:] else path.rstrip(".") + ".png"
+
+
+def out_file(key, path, figure, force=None):
+    """The file an output (key: the setting, "--out"; scripts.bench's "--plot") is written to, checked
+    before any work: a figure's figure_path, in an existing directory (errors.output_file), and not
+    a file this script did not write (check_out; force None: the program has no --force)."""
+    path = figure_path(path) if figure else path
+    errors.output_file(key, path)
+    check_out(path, force, key)
+    return path
 
 
 def save(fig, out):
+    """The figure to out (figure_path: the file written, and named in the line printed), whole."""
+    out = figure_path(out)
     fig.tight_layout()
-    # the mark a rerun knows its figure by (written_here), in the formats that keep one
-    mark = {"Creator": MARK} if os.path.splitext(out)[1].lower() in CREATOR else None
-    fig.savefig(out, dpi=120, metadata=mark)
-    pyplot().close(fig)
+    # the format is out's, not the temporary name's; the mark a rerun knows its figure by
+    # (written_here), in the formats that keep one
+    fmt = os.path.splitext(out)[1][1:].lower()
+    mark = {"Creator": MARK} if f".{fmt}" in CREATOR else None
+    try:
+        atomic_write(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120, metadata=mark))
+    finally:
+        pyplot().close(fig)
     print(f"wrote {out}")
 
 
@@ -548,8 +573,8 @@ def main(argv):
         args.out = os.path.join(os.path.commonpath([enclosing_run(p) for p in args.runs]),
                                 f"{args.command}.png")
     if args.out:
-        errors.output_file("--out", args.out)
-        check_out(args.out, args.force)
+        # the file written: a figure's with the extension savefig would add
+        args.out = out_file("--out", args.out, args.command not in TABLES, args.force)
     if args.command in TABLES:
         if args.command == "runs":
             md = runs_table(args.runs)
@@ -558,8 +583,7 @@ def main(argv):
         else:
             md = table(args.runs, args.labels or [None] * len(args.runs), args.paper)
         if args.out:
-            with open(args.out, "w") as f:
-                f.write(md)
+            atomic_write(args.out, md)
         print(md, end="")
         return md
     labels = args.labels or [default_label(p) for p in args.runs]

@@ -92,3 +92,30 @@ def test_the_decoding_modes_check_runs_plot_and_baseline_before_measuring(tmp_pa
             assert code == 1 and len(err.splitlines()) == 1 and re.search(message, err), (mode, err)
             assert out == ""
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_the_decoding_modes_replace_only_a_plot_they_wrote(tmp_path):
+    """--plot goes through scripts.plot's check of its outputs (plot.out_file): an existing file it did
+    not write, or the .png that savefig writes for a --plot without extension, is refused in one line
+    before anything is measured, and stays as it was; a figure of its own passes the check (the next
+    one, --baseline's, stops the run)."""
+    pytest.importorskip("matplotlib")
+    from scripts import plot
+    from test_eval import save_checkpoint
+    save_checkpoint(tmp_path)
+    good = str(tmp_path / "run")
+    (tmp_path / "fig.png").write_bytes(b"\x89PNG\r\n\x1a\n a user's own figure")
+    plot.save(plot.pyplot().figure(), str(tmp_path / "own.png"))
+    before = {name: (tmp_path / name).read_bytes() for name in ("fig.png", "own.png")}
+    cases = {"fig.png": f"--plot={tmp_path / 'fig.png'}: exists, and python -m scripts.plot did not write it",
+             "fig": f"--plot={tmp_path / 'fig.png'}: exists, and python -m scripts.plot did not write it",
+             "own.png": "--baseline=nosuchcommit: no such git commit",
+             "own": "--baseline=nosuchcommit: no such git commit"}
+    for mode in ("cache", "speculative"):
+        for name, message in cases.items():
+            code, out, err = run_module("scripts.bench", f"--mode={mode}", f"--run={good}",
+                                        f"--plot={tmp_path / name}", "--baseline=nosuchcommit")
+            assert code == 1 and len(err.splitlines()) == 1 and message in err, (mode, name, err)
+            assert out == ""
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert "fig" not in os.listdir(tmp_path) and "own" not in os.listdir(tmp_path)

@@ -1,9 +1,13 @@
 """eval.json accumulates (flt/report.py, docs/evaluation.md): each eval.py run merges its results into
 what the file holds by (K, metric), replacing only what it computed again; every entry names the run
 that computed it, whose settings are kept; eval.md is rebuilt from everything the file holds; a file
-that cannot be read is renamed aside, never overwritten. And the readers (scripts.plot) see it all."""
+that cannot be read is renamed aside, never overwritten; an --out that eval.py did not write is refused.
+And the readers (scripts.plot) see it all."""
 import json
 import os
+import re
+
+import pytest
 
 from flt import report
 from scripts import plot
@@ -116,3 +120,40 @@ def test_results_under_another_choice_sit_beside_the_default_ones(tmp_path):
     assert report.by_label(doc["results"]["3"]) == {"": {"val_bpb": 1.4}, "bpb_tokens=512": {"val_bpb": 1.5}}
     assert report.values(plot.read_eval(str(path))[3])[1] == 1.4
     assert plot.metrics(plot.read_eval(str(path))) == {"val_bpb", "val_bpb[bpb_tokens=512]"}
+
+
+def test_out_is_a_json_file_and_an_existing_one_an_eval_json_of_eval_py(tmp_path):
+    """eval.py's --out (flt/eval_settings.py: check_out, from its command line on): a .json path; a
+    file there already is merged into only if it is an eval.json eval.py wrote. A checkpoint's
+    model.pt, a .md, lm_eval_flt's lm_eval.json (read_results reads its layout too, but its runs are
+    not eval.py's), a user's JSON or one cut off are each refused in one line naming the file, before
+    any work, and stay as they were."""
+    import eval as ev
+    from configurator import settings_of
+    from flt import eval_settings
+    step = tmp_path / "run" / "step_000020"
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(b"the weights")
+    run(step / "eval.json", "T1", {1: {"val_bpb": 1.5}}, "bpb")
+    lm_eval = report.merge(None, {"checkpoint": str(step), "step": 20, "time": "T1",
+                                  "settings": {"run": str(step), "tasks": "hellaswag", "loops": [3]}},
+                           {3: {"hellaswag": {"results": {"acc,none": 0.3}}}}, {3: {"seconds": 1.0}})
+    (step / "lm_eval.json").write_text(json.dumps(lm_eval | {"table": "| task | metric | K=3 |\n"}))
+    (step / "mine.json").write_text(json.dumps({"results": {"1": {"val_bpb": 1.0}}}))
+    (step / "cut.json").write_text('{"results": {"1": ')
+    (step / "notes.md").write_text("# notes\n")
+    before = {name: (step / name).read_bytes() for name in os.listdir(step)}
+    refused = {"model.pt": (ValueError, "not a .json path"), "notes.md": (ValueError, "give a .json path"),
+               "lm_eval.json": (FileExistsError, "not an eval.json of eval.py"),
+               "mine.json": (FileExistsError, "not an eval.json of eval.py"),
+               "cut.json": (FileExistsError, "not an eval.json of eval.py")}
+    for name, (error, message) in refused.items():
+        with pytest.raises(error, match=re.escape(f"--out={step / name}: ") + ".*" + re.escape(message)) as e:
+            eval_settings.check_out(str(step / name))
+        assert "\n" not in str(e.value)
+    for name in ("eval.json", "new.json"):
+        eval_settings.check_out(str(step / name))
+    # from eval.py's command line, before the checkpoint is read
+    with pytest.raises(ValueError, match=re.escape(f"--out={step / 'model.pt'}: not a .json path")):
+        eval_settings.read([str(step), f"--out={step / 'model.pt'}"], settings_of(vars(ev)), ev.__file__)
+    assert {name: (step / name).read_bytes() for name in os.listdir(step)} == before

@@ -38,6 +38,7 @@ from scripts import export_hf  # noqa: E402
 from test_eval import one_thread  # noqa: E402, F401 (test_eval's autouse fixture: one thread)
 from test_lm_eval import quiet  # noqa: E402
 from test_model import greedy_by_full_forward, make_model, randomize_  # noqa: E402
+from test_nothing_lost import tree  # noqa: E402
 from test_padded_generate import left_padded  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -351,3 +352,26 @@ def test_errors_name_the_path_and_leave_nothing_behind(run, exported, tmp_path, 
     assert set(os.listdir(exported)) == FILES  # the old folder is untouched
     assert command("no/such/run", str(tmp_path / "y")) == (
         1, "", "scripts.export_hf: FileNotFoundError: run 'no/such/run': no such directory\n")
+
+
+def test_force_refuses_an_export_holding_files_it_did_not_write(run, exported, tmp_path):
+    """eval.py's results (it evaluates an export folder in place), lm_eval.json, a model card: --force over an
+    export holding them is refused in one line naming them, and the folder stays byte for byte; a clean earlier
+    export is replaced."""
+    assert set(export_hf.WRITTEN) == FILES
+    out = tmp_path / "hf"
+    shutil.copytree(exported, out)
+    (out / "eval.json").write_text('{"results": []}')
+    (out / "README.md").write_text("# my model card\n")
+    before = tree(tmp_path)
+    status, stdout, stderr = command(run, str(out), "--force", "--loops=2")
+    assert (status, stdout) == (1, "") and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith(f"scripts.export_hf: ValueError: {out}: holds README.md, eval.json, which the export "
+                             "did not write"), stderr
+    assert "move them out first, or export to another folder" in stderr, stderr
+    assert tree(tmp_path) == before
+    (out / "eval.json").unlink()
+    (out / "README.md").unlink()
+    status, stdout, stderr = command(run, str(out), "--force", "--loops=2")
+    assert status == 0 and stderr == "", stderr
+    assert set(os.listdir(out)) == FILES and json.loads((out / "config.json").read_text())["loops"] == 2

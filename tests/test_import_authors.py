@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import data
 from conftest import run_module
 from flt import authors, checkpoint, corpus
 from test_model import greedy_by_full_forward
+from test_nothing_lost import tree
 from test_train import python
 
 VOCAB = 258  # the test tokenizer: 256 bytes, <|endoftext|>, <|im_start|> (their document token)
@@ -387,6 +389,103 @@ def test_missing_files_an_existing_run_and_a_failed_write(tokenizer, tmp_path, m
         authors.import_run(theirs, run, tokenizer=tokenizer, force=True)
     assert checkpoint.load_model(run)[0].config.loops == 7  # the run it would replace, whole
     assert sorted(os.listdir(tmp_path)) == ["run", "theirs"]  # no temporary directory
+
+
+def refused(*argv):
+    """The command's stderr line, asserting it failed in one line and printed nothing else."""
+    status, out, err = command(*argv)
+    assert (status, out) == (1, "") and len(err.splitlines()) == 1, (status, out, err)
+    assert err.startswith("scripts.import_authors: ValueError: "), err
+    return err
+
+
+def test_force_never_replaces_a_training_run(tokenizer, tmp_path):
+    """--force replaces a folder this import wrote, never a run of this project (step_*/model.pt,
+    log.jsonl): refused in one line naming it and what it holds, byte for byte as it was."""
+    theirs, run = tmp_path / "theirs", tmp_path / "run"
+    write_theirs(str(theirs), BASE)
+    (run / "step_000010").mkdir(parents=True)
+    (run / "step_000010" / "model.pt").write_bytes(b"weights of a month of training")
+    (run / "log.jsonl").write_text('{"step": 10, "loss": 3.2}\n')
+    before = tree(tmp_path)
+    err = refused(str(theirs), str(run), f"--tokenizer={tokenizer}", "--force")
+    assert f"{run}: holds a training run (log.jsonl, step_000010/model.pt)" in err, err
+    assert "choose another directory" in err, err
+    assert tree(tmp_path) == before  # nothing changed, no temporary directory
+
+
+def test_force_never_replaces_a_folder_holding_what_is_imported(tokenizer, tmp_path):
+    """Their checkpoint dir inside <out> (or <out> itself), the tokenizer inside <out>, <out> inside
+    their checkpoint dir: each refused with --force, even where <out> is a previous import."""
+    ckpts = tmp_path / "ckpts"
+    theirs = ckpts / "theirs"
+    write_theirs(str(theirs), BASE)
+    tok = ckpts / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    tok.write_bytes(open(tokenizer, "rb").read())
+    other = tmp_path / "other"  # their dir elsewhere: the tokenizer in <out> alone
+    write_theirs(str(other), BASE)
+    (tmp_path / "link").symlink_to(ckpts)  # the same folder by another name
+    before = tree(tmp_path)
+    for out in (ckpts, theirs):
+        err = refused(str(theirs), str(out), f"--tokenizer={tokenizer}", "--force")
+        assert f"{out}: holds their checkpoint dir being imported ({theirs})" in err, err
+    err = refused(str(tmp_path / "link" / "theirs"), str(ckpts), f"--tokenizer={tokenizer}", "--force")
+    assert f"{ckpts}: holds their checkpoint dir being imported" in err, err
+    assert f"{ckpts}: holds the tokenizer being imported ({tok})" in refused(
+        str(other), str(ckpts), f"--tokenizer={tok}", "--force")
+    assert tree(tmp_path) == before
+    # a previous import that came to hold what is imported: their dir, the tokenizer, or inside theirs
+    run = tmp_path / "run"
+    authors.import_run(str(theirs), str(run), tokenizer=str(tok), log=lambda *a: None)
+    shutil.copytree(theirs, run / "theirs")
+    shutil.copy(tok, run / "tokenizer.json")
+    inside = theirs / "imported"
+    authors.import_run(str(theirs), str(inside), tokenizer=str(tok), log=lambda *a: None)
+    before = tree(tmp_path)
+    assert refused(str(run / "theirs"), str(run), f"--tokenizer={tok}", "--force").count(
+        f"{run}: holds their checkpoint dir being imported") == 1
+    assert f"{run}: holds the tokenizer being imported" in refused(
+        str(theirs), str(run), f"--tokenizer={run / 'tokenizer.json'}", "--force")
+    assert f"{inside}: inside their checkpoint dir being imported ({theirs})" in refused(
+        str(theirs), str(inside), f"--tokenizer={tok}", "--force")
+    assert tree(tmp_path) == before
+
+
+def test_force_replaces_a_previous_import_only_while_it_holds_nothing_else(tokenizer, tmp_path):
+    """A previous import is replaced with --force (another step, another K); one holding files the
+    import did not write (eval.py's results, a user's notes, a learned exit gate) is refused in one
+    line naming them, and stays byte for byte."""
+    theirs, run = tmp_path / "theirs", tmp_path / "run"
+    write_theirs(str(theirs), BASE)
+    authors.import_run(str(theirs), str(run), tokenizer=tokenizer, log=lambda *a: None)
+    write_theirs(str(theirs), BASE | dict(K=5), step=200)
+    (run / "step_000100" / "eval.json").write_text('{"results": []}')
+    (run / "notes.md").write_text("# what I saw\n")
+    (run / "plots").mkdir()
+    before = tree(tmp_path)
+    err = refused(str(theirs), str(run), f"--tokenizer={tokenizer}", "--force")
+    assert (f"{run}: holds notes.md, plots/, step_000100/eval.json, which the import did not write" in err
+            and "move them out first, or import to another directory" in err), err
+    assert tree(tmp_path) == before
+    for name in ("step_000100/eval.json", "notes.md"):
+        os.remove(run / name)
+    os.rmdir(run / "plots")
+    status, out, err = command(str(theirs), str(run), f"--tokenizer={tokenizer}", "--force")
+    assert status == 0 and err == "", err
+    assert sorted(os.listdir(run)) == ["imported.json", "settings.json", "step_000200"]
+    assert checkpoint.load_model(str(run), log=lambda *a: None)[0].config.loops == 5
+    # the same folder without --force, a file, a folder of other files: refused as before
+    err = refused(str(theirs), str(run), f"--tokenizer={tokenizer}")
+    assert f"{run} already exists; choose another directory or --force" in err, err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("import their run\n")
+    (tmp_path / "file").write_text("mine\n")
+    before = tree(tmp_path)
+    for out, what in (("notes", "it holds todo.txt"), ("file", "a file")):
+        err = refused(str(theirs), str(tmp_path / out), f"--tokenizer={tokenizer}", "--force")
+        assert f"{tmp_path / out}: not a folder this import wrote (no imported.json): {what}" in err, err
+    assert tree(tmp_path) == before
 
 
 def test_without_tokenizer_the_pipelines_qwen3_or_a_clear_error(tokenizer, tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ eval.py-style eval.json), checked against what was drawn or printed. The readers
 table need no matplotlib; the figures are drawn only where it is installed (requirements/plot.txt)."""
 import json
 import math
+import os
+import re
 
 import pytest
 
@@ -156,6 +158,63 @@ def test_val_draws_each_runs_val_bpb_against_its_steps(tmp_path):
     plot.main(["val", str(flt), "-o", str(other), "--force"])
     assert_png(other)
 
+
+
+def test_an_out_without_extension_is_the_png_savefig_writes(tmp_path, capsys):
+    """-o myfig: matplotlib's savefig writes myfig.png, so that is the file checked (a user's
+    myfig.png is refused in one line and stays as it was), written and named in the "wrote" line;
+    -o fig. is fig.png too, and a rerun replaces the script's own figure."""
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path, "flt", [5.0, 4.0, 3.0])
+    mine = tmp_path / "myfig.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n a user's own figure")
+    with pytest.raises(FileExistsError, match=re.escape(f"--out={mine}: exists, and python -m scripts.plot did "
+                                                        "not write it: choose another --out")):
+        plot.main(["loss", str(run), "-o", str(tmp_path / "myfig")])
+    assert mine.read_bytes() == b"\x89PNG\r\n\x1a\n a user's own figure"
+    assert sorted(os.listdir(tmp_path)) == ["flt", "myfig.png"]
+    capsys.readouterr()
+    for name in ("fig", "fig."):
+        plot.main(["loss", str(run), "-o", str(tmp_path / name)])
+        assert capsys.readouterr().out == f"wrote {tmp_path / 'fig.png'}\n"
+    assert_png(tmp_path / "fig.png")
+    assert sorted(os.listdir(tmp_path)) == ["fig.png", "flt", "myfig.png"]
+
+
+def test_figures_and_tables_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """--out is written under a temporary name in its folder, then renamed over it: until the rename
+    the old file is whole, and a write that fails (a full disk) leaves it as it was and no
+    temporary file behind."""
+    matplotlib = pytest.importorskip("matplotlib")
+    run = write_run(tmp_path, "flt", [5.0, 4.0, 3.0])
+    write_eval(run / "step_000010" / "eval.json", [3])
+    outs = {"loss": tmp_path / "loss.png", "table": tmp_path / "t.md"}
+    for command, out in outs.items():
+        plot.main([command, str(run), "-o", str(out)])
+    old = {str(out): out.read_bytes() for out in outs.values()}
+    renamed, replace = {}, os.replace
+
+    def rename(src, dst):
+        # the old file still whole at dst, the new one beside it
+        assert os.path.dirname(src) == os.path.dirname(dst) and open(dst, "rb").read() == old[dst]
+        renamed[dst] = open(src, "rb").read()
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", rename)
+    for command, out in outs.items():
+        plot.main([command, str(run), "-o", str(out)])
+    assert renamed == {str(out): out.read_bytes() for out in outs.values()}
+    monkeypatch.setattr(os, "replace", replace)
+    before = {name: (tmp_path / name).read_bytes() for name in ("loss.png", "t.md")}
+
+    def full_disk(fig, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"half a figure")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        plot.main(["loss", str(run), "-o", str(outs["loss"])])
+    assert sorted(os.listdir(tmp_path)) == ["flt", "loss.png", "t.md"]
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
 
 def test_runs_lists_every_run_below_the_folders_from_its_files(tmp_path, monkeypatch, capsys):
     """runs: a Markdown row per run (a folder with settings.json or log.jsonl) at any depth below the
