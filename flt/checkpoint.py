@@ -447,8 +447,9 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
         if rank == 0:
             os.makedirs(tmp)
             # data: your own files' documents (owndata.data_of), which a resume and eval.py check
+            data = owndata.data_of(settings)
             write_model_file(tmp, state, model.config, step, settings, world_size=world,
-                             data=owndata.data_of(settings))
+                             **({"data": data} if data else {}))
             for name, write in (files or {}).items():
                 write(os.path.join(tmp, name))
 
