@@ -61,6 +61,8 @@ def pytest_configure(config):
         import torch
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+        # and torch.compile compiles in this process: no pool of compile workers for each of them
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_unconfigure(config):
