@@ -597,24 +597,24 @@ def prepare_out_dir(out_dir, resume, overwrite, log=print):
     elif found and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} already holds a run ({', '.join(found[-3:])}): continue it "
                          f"with --resume, choose another --out_dir, or replace it with --overwrite")
-    elif found and os.path.isdir(replaced):
-        # an earlier --overwrite whose new run never saved: that run's files go, the replaced one stays
-        if steps:
-            raise ValueError(f"out_dir={out_dir!r} holds a run with checkpoints and {replaced}, a run "
-                             f"--overwrite set aside: delete one of them by hand, then run again")
-        check_no_results(out_dir, "--overwrite")
-        remove_run_files(out_dir)
-        log(f"{replaced} still holds the run an earlier --overwrite replaced; it stays until this "
-            f"run saves its first checkpoint")
+    elif found and os.path.isdir(replaced) and steps:
+        raise ValueError(f"out_dir={out_dir!r} holds a run with checkpoints and {replaced}, a run "
+                         f"--overwrite set aside: delete one of them by hand, then run again")
     elif found:
-        # moved aside, then deleted once this run saves: nothing in it may be anyone else's
+        # deleted now, or moved aside and deleted once this run saves: nothing in it may be anyone else's
         check_no_results(out_dir, "--overwrite")
-        os.makedirs(replaced)
-        for name in run_files(out_dir):
-            os.replace(os.path.join(out_dir, name), os.path.join(replaced, name))
-        log(f"--overwrite: moved the run in {out_dir} to {replaced}; it is deleted once this run "
-            f"has saved its first checkpoint")
-        return replaced
+        if os.path.isdir(replaced):
+            # an earlier --overwrite whose new run never saved: that run's files go, the replaced one stays
+            remove_run_files(out_dir)
+            log(f"{replaced} still holds the run an earlier --overwrite replaced; it stays until this "
+                f"run saves its first checkpoint")
+        else:
+            os.makedirs(replaced)
+            for name in run_files(out_dir):
+                os.replace(os.path.join(out_dir, name), os.path.join(replaced, name))
+            log(f"--overwrite: moved the run in {out_dir} to {replaced}; it is deleted once this run "
+                f"has saved its first checkpoint")
+            return replaced
     for name in os.listdir(out_dir):  # half-written checkpoints of a killed run
         if name.startswith("tmp_step_"):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
