@@ -124,10 +124,11 @@ def byte_counts(token_bytes, y):
 
 
 def evaluate_bpb(model, batches, tables, loops_list, progress=None):
-    """({count: {K: bits per byte}}, targets y >= 0) over (x, y) batches, for each table of
-    `tables` ({count: token_bytes(count)} of BYTE_COUNTS), as nanochat's evaluate_bpb: the targets'
-    losses in nats / (ln 2 * their bytes), targets of 0 bytes out of both sums. All-reduced: under
-    torchrun each rank passes its own share."""
+    """({count: {K: bits per byte}}, targets y >= 0) over (x, y) batches (a task's third tensor,
+    the difficulty, unread), for each table of `tables` ({count: token_bytes(count)} of
+    BYTE_COUNTS), as nanochat's evaluate_bpb: the targets' losses in nats / (ln 2 * their bytes),
+    targets of 0 bytes out of both sums. All-reduced: under torchrun each rank passes its own
+    share."""
     device = next(model.parameters()).device
     f64 = dict(dtype=torch.float64, device=device)
     # per byte table: each K's nats over the targets that have bytes, and those bytes
@@ -135,7 +136,7 @@ def evaluate_bpb(model, batches, tables, loops_list, progress=None):
     n_bytes = torch.zeros(len(tables), **f64)
     # every target scored (y >= 0), for the caller's count
     n_tokens = torch.zeros((), **f64)
-    for x, y in batches:
+    for x, y, *_ in batches:
         x, y = x.to(device), y.to(device)
         # the budget sweep: each K's token losses, (B, T), from one forward at max(loops_list)
         losses = [loss for loss, _ in loop_losses(model, x, y, loops_list).values()]

@@ -222,8 +222,8 @@ val_chunks = {}
 
 
 def validate(n_tokens):
-    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the
-    authors' loop); for a task, its held-out test items."""
+    """{"val_bpb", "val_bpb_utf8", "val_tokens"} at the trained K, each rank its share (the authors'
+    loop); a task's on its test items, with "val_acc": its answers' share right (tasks.accuracy)."""
     if task and n_tokens not in val_chunks:
         val_chunks[n_tokens] = task.batches(n_tokens, device_batch_size, rank, world_size)
     if n_tokens not in val_chunks:
@@ -232,8 +232,10 @@ def validate(n_tokens):
                                                     world_size)[0]
     with runtime.evaluating(model, autocast):
         bpb, n = evaluation.evaluate_bpb(model, val_chunks[n_tokens], byte_tables, [config.loops])
-    return {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops],
-            "val_tokens": n}
+        acc = task and tasks.accuracy(model, val_chunks[n_tokens], task.levels, [config.loops])[0]
+    record = {"val_bpb": bpb["authors"][config.loops], "val_bpb_utf8": bpb["utf8"][config.loops],
+              "val_tokens": n}
+    return record | ({"val_acc": acc[config.loops]["task_acc"]} if task else {})
 
 
 def core_score():
@@ -293,15 +295,13 @@ while True:
     guard.leave_if_preempted(step, last_step)
     if step % eval_interval == 0 or last_step:
         record.update(validate(eval_tokens))
-        print0(f"step {step:5d} | val bpb {record['val_bpb']:.4f} "
-               f"({record['val_tokens']:,} tokens)")
+        print0(diagnostics.val_line(record))
     if core_interval and (step % core_interval == 0 or last_step):
         record["core"] = core_score()
         print0(f"step {step:5d} | CORE {record['core']:.4f}")
     if last_step:  # the paper's final number, on more tokens than the in-training checks
         record.update({f"final_{k}": v for k, v in validate(final_eval_tokens).items()})
-        print0(f"final val bpb ({record['final_val_tokens']:,} tokens): "
-               f"{record['final_val_bpb']:.4f}")
+        print0(diagnostics.val_line(record, final=True))
         break
     timer.resume()
     # Forward and backward: each loss / grad_accum, so the gradients sum to the step's mean

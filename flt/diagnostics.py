@@ -113,6 +113,16 @@ def step_line(r, num_steps, timer):
             f"{r['tok_per_s']:,.0f} tok/s{mfu} | {duration(timer.elapsed())} elapsed{left}")
 
 
+def val_line(r, final=False):
+    """train.py's line for an evaluation's record r: validation bits per byte and the tokens they
+    are over and, for a task, its accuracy; final: the run's final numbers (r's final_ entries)."""
+    key = "final_val" if final else "val"
+    acc = f" | accuracy {r[key + '_acc']:.4f}" if key + "_acc" in r else ""
+    if final:
+        return f"final val bpb ({r['final_val_tokens']:,} tokens): {r['final_val_bpb']:.4f}{acc}"
+    return f"step {r['step']:5d} | val bpb {r['val_bpb']:.4f} ({r['val_tokens']:,} tokens){acc}"
+
+
 def duration(seconds):
     """seconds as a step line shows them, to the second or the minute: 42s, 1m23s, 2h05m, 3d04h."""
     s = round(seconds)

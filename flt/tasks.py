@@ -30,21 +30,23 @@ Each symbol is one character of a byte-level alphabet, and the vocabulary is a t
 WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py loads it like any.
 `solve` recomputes every answer from the tokens alone, in plain Python (the tests compare).
 
-A task run, from generation to score: this file, and train.py for the training.
+A task run, from generation to score: this file, and train.py.
 - the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.rows` packs
   items into rows, where y[i] is the answer at x[i] itself, not the next token;
 - the training (train.py, as for text): `task_of(settings)` is the task, `tokenizer(task)` its
   vocabulary, and it has no shards, no files at all; `Task.loader` stands where data.DataLoader
   would, and `model(x, y)` takes the loss of text: the cross-entropy at position i against y[i],
-  -1 skipped, which for a task is the answer at x[i] itself (train.py says so). train.py
-  validates on `Task.batches(n_tokens, ...)`, the first test items, in bits per byte (eval.py's
-  evaluate_bpb; an answer's UTF-8 bytes: 2 for S5's past the 84th);
-- the score (`eval.py --modes=tasks` runs `mode` below): `Task.test_items(task_items)`, packed by
-  `Task.batches_of(..., difficulty=True)` with each answer's difficulty; `accuracy` compares the
-  argmax at position i with y[i] at each K, pooled (task_acc) and at each level of `Task.levels`
-  (task_acc_by_difficulty); under exit rules, `exit_accuracy` adds task_exit at the largest K.
-  `mode` returns these entries of eval.json at each K, which eval.py writes as it writes every
-  mode's (docs/evaluation.md: a key off its defaults is kept apart as key[task_items=N]).
+  -1 skipped, which for a task is the answer at x[i] itself (train.py says so);
+- the score (train.py's validate): on `Task.batches(n_tokens, ...)`, the first test items with
+  each answer's difficulty, `accuracy` compares the argmax at position i with y[i] at the trained
+  K: val_acc in log.jsonl and on the val bpb line (its bits per byte: eval.py's evaluate_bpb over
+  an answer's UTF-8 bytes, 2 for S5's past the 84th);
+- the same score at other K (`eval.py --modes=tasks` runs `mode` below): on
+  `Task.test_items(task_items)`, `accuracy` at each K, pooled (task_acc) and at each level of
+  `Task.levels` (task_acc_by_difficulty); under exit rules, `exit_accuracy` adds task_exit at the
+  largest K. `mode` returns these entries of eval.json at each K, which eval.py writes as it
+  writes every mode's (docs/evaluation.md: a key off its defaults is kept apart as
+  key[task_items=N]).
 """
 import hashlib
 import itertools
@@ -152,18 +154,17 @@ class Task:
             d[r, span] = torch.tensor(levels)
         return x, y, d
 
-    def batches(self, n_tokens, batch_size, rank=0, world_size=1, difficulty=False):
+    def batches(self, n_tokens, batch_size, rank=0, world_size=1):
         """batches_of the first test items, about n_tokens tokens in all."""
         items = self.test_items(max(1, n_tokens // self.item_len))
-        return self.batches_of(items, batch_size, rank, world_size, difficulty)
+        return self.batches_of(items, batch_size, rank, world_size)
 
-    def batches_of(self, items, batch_size, rank=0, world_size=1, difficulty=False):
-        """This rank's share of the items' rows (every world_size-th), as (x, y) batches of
-        batch_size rows, or (x, y, difficulty)."""
+    def batches_of(self, items, batch_size, rank=0, world_size=1):
+        """This rank's share of the items' rows (every world_size-th), as (x, y, difficulty)
+        batches of batch_size rows: eval.py's evaluate_bpb reads (x, y), accuracy all three."""
         x, y, d = self.rows(items)
-        mine = [t[rank::world_size] for t in (x, y, d)]
-        split = [t.split(batch_size) for t in mine]
-        return list(zip(*split)) if difficulty else list(zip(*split[:2]))
+        mine = [t[rank::world_size].split(batch_size) for t in (x, y, d)]
+        return list(zip(*mine))
 
     def loader(self, batch_size, rank, world_size, device, seed, state=None):
         return Loader(self, batch_size, rank, world_size, device, seed, state)
@@ -263,7 +264,7 @@ class Loader:
 def accuracy(model, batches, levels, loops_list, progress=None):
     """({K: eval.json's {"task_acc", "task_acc_by_difficulty"}}, {difficulty: answers}): the share
     of the answers (y >= 0) whose argmax at position i is y[i], pooled and at each difficulty in
-    `levels`, every K from one forward, on batches_of(items, ..., difficulty=True). All-reduced."""
+    `levels`, every K from one forward, on batches_of(items, ...). All-reduced."""
     device = next(model.parameters()).device
     # per K, the right answers at each difficulty; and the answers at each difficulty
     n = max(levels) + 1
@@ -330,7 +331,7 @@ def mode(settings, job):
     (exit_accuracy), prints a line each and returns ({K: eval.json's entries}, what was measured)."""
     task = task_of(job.trained)
     items = task.test_items(settings.task_items)
-    batches = task.batches_of(items, settings.batch_size, job.rank, job.world, difficulty=True)
+    batches = task.batches_of(items, settings.batch_size, job.rank, job.world)
     # a small test bucket repeats its items: the plan says how many differ
     distinct = len({tuple(tokens) for tokens, _, _ in items})
     # the largest budget (job.loops is sorted)

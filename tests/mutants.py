@@ -67,6 +67,10 @@ MUTANTS = [
     ("train.py", "if step > start_step and (step % save_interval == 0",
      "if step >= start_step and (step % save_interval == 0", RECIPE),
     ("train.py", "if step % eval_interval == 0 or last_step:", "if step % eval_interval == 1 or last_step:", SHORT_RUN),
+    # a task's score at the trained K, counted again from model(x) by the end-to-end test
+    ("train.py", "acc = task and tasks.accuracy(model, val_chunks[n_tokens], task.levels, [config.loops])[0]",
+     "acc = task and tasks.accuracy(model, val_chunks[n_tokens][:1], task.levels, [config.loops])[0]",
+     ["tests/test_tasks.py::test_train_and_eval_a_task_end_to_end"]),
     # optim.py: Muon, AdamW, the reduction, the groups, the schedules
     ("optim.py", "a, b, c = (3.4445, -4.7750, 2.0315)", "a, b, c = (3.4445, -4.7750, 2.0)", OPTIM),
     ("optim.py", "X = X / (X.norm() + eps)", "X = X / (X.abs().max() + eps)", OPTIM),

@@ -195,7 +195,7 @@ def test_the_tasks_mode_reports_accuracy_and_loops_per_answer_by_difficulty(tmp_
 
     saved = run("--exit_rules=kl,argmax", "--exit_thresholds=0.01", "--argmax_counts=1")
     assert list(saved) == ["kl", "argmax"]
-    batches = task.batches(24 * task.item_len, 6, difficulty=True)
+    batches = task.batches(24 * task.item_len, 6)
     for rule, threshold in (("kl", 0.01), ("argmax", 1)):
         (point,) = saved[rule]
         acc, mean_loops, acc_by, loops_by = hand_count(model, batches, task.levels, 3, rule,

@@ -13,7 +13,7 @@ import torch
 
 import eval as evaluation
 from conftest import config_for_depth
-from flt import planning, tasks
+from flt import checkpoint, planning, tasks
 from model import GPT, VARIANTS
 from test_train import python
 
@@ -86,7 +86,7 @@ def test_test_items_never_occur_in_training():
 def test_the_test_set_is_fixed_by_the_task_alone():
     a, b = task_of("chains", 3, 40), task_of("chains", 3, 40)
     assert a.test_items(20) == b.test_items(20)
-    batches = a.batches(20 * a.item_len, 4, difficulty=True)
+    batches = a.batches(20 * a.item_len, 4)
     x = torch.cat([b_[0] for b_ in batches])
     assert x.shape == (20, 40)
 
@@ -155,7 +155,7 @@ def test_both_byte_tables_count_each_symbols_utf8_bytes(name, two_byte):
 def test_accuracy_equals_a_hand_count():
     task = task_of("chains", 2, 20)
     model = tiny_model(task)
-    batches = task.batches(13 * task.item_len, 5, difficulty=True)
+    batches = task.batches(13 * task.item_len, 5)
     results, answers = tasks.accuracy(model, batches, task.levels, [1, 3])
     for K in (1, 3):
         right, count = {d: 0 for d in task.levels}, {d: 0 for d in task.levels}
@@ -178,7 +178,7 @@ def test_accuracy_equals_a_hand_count():
 def test_the_one_pass_K_sweep_equals_separate_passes(variant):
     task = task_of("s3", 6, 14)
     model = tiny_model(task, variant, loops=3)
-    batches = task.batches(40 * task.item_len, 8, difficulty=True)
+    batches = task.batches(40 * task.item_len, 8)
     swept, _ = tasks.accuracy(model, batches, task.levels, [1, 2, 3, 6, 12])
     for K in (1, 2, 3, 6, 12):
         alone, _ = tasks.accuracy(model, batches, task.levels, [K])
@@ -228,7 +228,17 @@ def test_train_and_eval_a_task_end_to_end(tmp_path):
             "--sample_tokens=0", f"--out_dir={out}"]
     p = python("train.py", *args)
     assert p.returncode == 0, p.stderr
-    assert "final val bpb" in p.stdout
+    # the task's score, as training reports it: the share of the first 400 // item_len held-out
+    # items' answers whose argmax, at the trained K, is right; counted here from model(x)'s logits
+    model = checkpoint.load_model(str(out / "step_000004"), log=lambda *a: None)[0]
+    task = task_of("chains", 2, 20)
+    x, y, _ = task.rows(task.test_items(400 // task.item_len))
+    with torch.no_grad():
+        right = (model(x).argmax(-1) == y)[y >= 0]
+    final = [json.loads(line) for line in open(out / "log.jsonl")][-1]
+    assert final["final_val_acc"] == pytest.approx(right.double().mean().item(), abs=1e-12)
+    assert f"final val bpb ({final['final_val_tokens']:,} tokens): {final['final_val_bpb']:.4f} | " \
+           f"accuracy {final['final_val_acc']:.4f}\n" in p.stdout
     p = python("eval.py", str(out), "--modes=tasks", "--loops=1,2,4,8", "--task_items=30",
                "--device=cpu")
     assert p.returncode == 0, p.stderr
