@@ -7,8 +7,8 @@ at high K. The paper's fix, FLT, restarts every loop from the normalised embeddi
 lets the previous loop steer each layer's attention (queries from its output, keys/values from
 the current stream), so what a loop reads is bounded by softmax. Read top to bottom: config,
 norm/RoPE, attention, MLP, block, the two variant choices, the model. GPT.loop_states is the
-loop; decoding runs the same loop with its KV cache and the exit rule (flt/decoding.py:
-cached_loops), drafting with fewer loops is flt/drafting.py.
+loop; decoding runs the same loop with its KV cache, the exit rule and drafting with fewer loops
+(flt/decoding.py: cached_loops, draft_and_verify).
 
 The paper's five variants (VARIANTS), two choices, one loop body (GPT.loop_states); loops count
 t = 1..K, and loop 1 is plain in every variant (GPT.loop_start); for loop t >= 2:
@@ -31,13 +31,11 @@ from torch.utils.checkpoint import checkpoint
 
 try:
     from flt.decoding import (Decoder, KVCache, LoopSpan, attention_mask, cached_loops,
-                              check_inputs, check_prompt)
-    from flt.drafting import check_draft, choose, draft_and_verify
+                              check_draft, check_inputs, check_prompt, choose, draft_and_verify)
 except ImportError:
-    # a Hugging Face export (scripts/export_hf.py) has decoding.py and drafting.py beside model.py
+    # a Hugging Face export (scripts/export_hf.py) has decoding.py beside model.py
     from .decoding import (Decoder, KVCache, LoopSpan, attention_mask, cached_loops,
-                           check_inputs, check_prompt)
-    from .drafting import check_draft, choose, draft_and_verify
+                           check_draft, check_inputs, check_prompt, choose, draft_and_verify)
 
 VARIANTS = ("LT", "LT_i", "LT_ai", "FLT_res", "FLT")
 ATTNS = ("full", "mla")
@@ -396,7 +394,7 @@ class GPT(nn.Module):
         its m (KVCache; None = K, exact). exit_threshold: depth per token under exit_rule.
         attention_mask (B, T): 0 marks left padding, so prompts of different lengths share a
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
-        loops K_d+1..K (flt/drafting.py): the same tokens, or sampling the same distribution.
+        loops K_d+1..K (flt/decoding.py): the same tokens, or sampling the same distribution.
         decode: the steps' path (flt/decoding.py: Decoder), "eager", "static" (one shape a step)
         or "compiled" (on CUDA captured as CUDA graphs); None: compiled on CUDA, else eager."""
         check_prompt(idx, max_new_tokens, attention_mask, self.config.sequence_len)

@@ -9,10 +9,10 @@ loader's argument checks and resume (loader_state), checkpoints (checkpoint), cl
 this format (authors). hf_remote/ is the transformers wrapper a Hugging Face export ships.
 
 A reader of the paper needs none of it. Three modules go beyond the paper and are worth
-reading: decoding's KV cache of loop slots and the exit rules (decoding), which model.py's loop
-calls, with the learned exit gate trained on a frozen run (exit_gate); drafting with fewer loops
-(drafting), which generate calls; and the synthetic reasoning tasks whose difficulty is depth
-(tasks), which train.py trains on and which score themselves in eval.py's tasks mode.
+reading: decoding's KV cache of loop slots, the exit rules and drafting with fewer loops
+(decoding), which model.py's loop and generate call, with the learned exit gate trained on a
+frozen run (exit_gate); and the synthetic reasoning tasks whose difficulty is depth (tasks), which
+train.py trains on and scores, as eval.py's tasks mode does at every K.
 
 The user scripts built on it are in scripts/: bench (speed and memory), gpu_check (the recipe on
 one GPU), torchrun_check (the headline torchrun command on the machine at hand), zero_check

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from configurator import configure
 from flt import errors, report, tasks, tracking
 from flt.decoding import EXIT_RULES, check_cache_slots
-from flt.drafting import check_draft
+from flt.decoding import check_draft
 from flt.modes import PLANS, sample_prompts
 from flt.runtime import dtype_bytes
 
@@ -218,7 +218,7 @@ def check_read(settings, defaults, run_modes):
 def check_sampling(settings, defaults, loops_list):
     """The sample mode's settings: its prompts (modes.sample_prompts: none empty), a temperature
     >= 0, a seed only when sampling, the cache's loop slots (at most the smallest K), and drafting
-    (drafting.check_draft) at each K above draft_loops, of which there must be one: the other K
+    (decoding.check_draft) at each K above draft_loops, of which there must be one: the other K
     decode without drafting."""
     sample_prompts(settings.prompt)
     if settings.temperature < 0:

@@ -42,7 +42,7 @@ from flt import corpus, diagnostics
 import data
 from configurator import configure, settings_of
 from model import GPT, GPTConfig
-from flt.drafting import check_draft
+from flt.decoding import check_draft
 from flt.planning import consumed_tokens_per_s, peak_flops
 from flt import errors
 from flt.errors import user_errors
@@ -655,7 +655,7 @@ DRAFTS = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]
 def speculative_rows(path):
     """One run's rows: {(K, B): {(K_d, draft_len): row}}, greedy decoding of GEN tokens after
     the first PROMPT_TOKENS of B validation sequences, exact against drafted, side by side."""
-    from flt.drafting import draft_and_verify
+    from flt.decoding import draft_and_verify
     from scripts.plot import run_name
     model, meta, x, _, _, shard = validation_run(path)
     autocast = precision(model, rt.device_type, dtype)

@@ -17,8 +17,7 @@ and eval.py and lm_eval_flt read it as they read a run. It holds:
     generation_config.json   decoding stops at the document token (a new document would begin)
     modeling_flt.py, configuration_flt.py   the transformers wrapper (flt/hf_remote/), around
     model.py                 this repository's model.py itself, imported by the wrapper
-    decoding.py              flt/decoding.py, model.py's KV cache and exit rule, which it imports
-    drafting.py              flt/drafting.py, generate's token choice and drafting, which it imports
+    decoding.py              flt/decoding.py, model.py's KV cache, exit rule and drafting, which it imports
     run.json                 the checkpoint exported, its step and training settings
 It is written under a temporary name beside <out> and renamed into place: <out> is whole or absent.
 --force replaces a previous export only: never the run exported, a folder holding a run, or another folder;
@@ -42,10 +41,11 @@ from model import GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE = [os.path.join(ROOT, "flt", "hf_remote", name) for name in ("configuration_flt.py", "modeling_flt.py")]
 CODE += [os.path.join(ROOT, "model.py")]
-CODE += [os.path.join(ROOT, "flt", name) for name in ("decoding.py", "drafting.py")]
-# every file an export writes (export): what --force may replace; anything else in <out> is the user's
+CODE += [os.path.join(ROOT, "flt", "decoding.py")]
+# every file an export writes (export): what --force may replace; anything else in <out> is the user's.
+# drafting.py: an earlier export's copy of flt/drafting.py, since merged into decoding.py
 WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-           "run.json", *(os.path.basename(path) for path in CODE))
+           "run.json", "drafting.py", *(os.path.basename(path) for path in CODE))
 AUTO_MAP = {"AutoConfig": "configuration_flt.FLTConfig", "AutoModelForCausalLM": "modeling_flt.FLTForCausalLM"}
 
 

@@ -855,7 +855,7 @@ def test_sample_mode_with_drafts_gives_the_samples_of_k_loop_decoding(tmp_path, 
     assert drafted == {K: {"samples[draft_loops=1,draft_len=3]": r["samples"]} for K, r in exact.items()}
     saved = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert saved == {str(K): exact[K] | drafted[K] for K in exact}
-    # the bound: K_d loops draft for a K of at least K_d + 1 (flt/drafting.py: check_draft)
+    # the bound: K_d loops draft for a K of at least K_d + 1 (flt/decoding.py: check_draft)
     for bad, message in ((["--draft_loops=3"], r"^--draft_loops=3: .*than K=3, so K_d loops need "
                                                 r"K >= K_d \+ 1; allowed: an integer from 1 to 2$"),
                          (["--loops=1", "--draft_loops=1"], r"^--draft_loops=1: .*allowed: none: K=1"),

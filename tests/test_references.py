@@ -165,7 +165,7 @@ def test_the_tour_points_at_the_code_of_each_step():
     pointed = {f"{file}: {name}" for _, file, name in references("docs/tour.md")}
     for expected in ("model.py: restart", "model.py: injection", "model.py: GPT.loop_states",
                      "optim.py: Muon", "optim.py: AdamW", "data.py: DataLoader",
-                     "eval.py: evaluate_bpb", "flt/drafting.py: draft_and_verify",
+                     "eval.py: evaluate_bpb", "flt/decoding.py: draft_and_verify",
                      "flt/tasks.py: Task"):
         assert expected in pointed, expected
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:

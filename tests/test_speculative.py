@@ -1,11 +1,11 @@
-"""Self-speculative decoding (flt/drafting.py, GPT.generate(draft_loops=...)): tokens drafted with
+"""Self-speculative decoding (flt/decoding.py: draft_and_verify, GPT.generate(draft_loops=...)): tokens drafted with
 the first K_d loops and verified with all K give K-loop decoding's tokens (greedy) or its
 distribution (sampling), with no loop computed twice and a cache that ends as a plain decode's.
 The first K_d loops of a K-loop forward are a K_d-loop forward: loop t reads loops 1..t-1 only."""
 import pytest
 import torch
 
-from flt import decoding, drafting
+from flt import decoding
 from model import Block
 from test_model import ATTENTION, VARIANTS, make_model, random_tokens
 from test_padded_generate import left_padded
@@ -61,7 +61,7 @@ def test_a_trained_like_model_accepts_drafts_and_rows_advance_together():
     ids, mask = padded_prompts(seed=4)
     stats = {}
     with torch.no_grad():
-        got = list(drafting.draft_and_verify(model, ids, 13, K, 2, 4, attention_mask=mask,
+        got = list(decoding.draft_and_verify(model, ids, 13, K, 2, 4, attention_mask=mask,
                                              stats=stats))
     assert stats["accepted"] > 0.5 * stats["drafted"]
     assert sum(t.size(1) for t in got) == 13 and all(t.size(0) == 3 for t in got)
@@ -104,7 +104,7 @@ def test_after_each_round_the_cache_is_a_plain_decodes(variant, attention):
     ids, mask = padded_prompts(seed=2)
     stats, emitted = {}, []
     with torch.no_grad():
-        for tokens in drafting.draft_and_verify(model, ids, 12, K, 1, 3, attention_mask=mask,
+        for tokens in decoding.draft_and_verify(model, ids, 12, K, 1, 3, attention_mask=mask,
                                                 stats=stats):
             emitted.append(tokens)
             fed = torch.cat(emitted, 1)[:, :-1]
@@ -132,7 +132,7 @@ def test_no_loop_is_computed_twice(monkeypatch):
     monkeypatch.setattr(Block, "forward", counted)
     stats, L, draft_loops = {}, 3, 1
     with torch.no_grad():
-        rounds = [t.size(1) for t in drafting.draft_and_verify(
+        rounds = [t.size(1) for t in decoding.draft_and_verify(
             model, ids, 11, K, draft_loops, 4, stats=stats)][1:]
     # the prefill: K loops over the prompt; then per round, drafts of one token through K_d
     # loops each, and one verification of all of them through the other K - K_d
@@ -156,9 +156,9 @@ def test_the_acceptance_rule_keeps_the_k_loop_distribution_exactly():
         q[(trial + 1 + trial // V) % V] = 0
         p, q = p / p.sum(), q / q.sum()
         drafts = torch.arange(V)
-        kept = drafting.acceptance(p.expand(V, V), q.expand(V, V), drafts)
+        kept = decoding.acceptance(p.expand(V, V), q.expand(V, V), drafts)
         kept = torch.where(q > 0, kept, 0)  # a draft q cannot give is never drawn
-        r = drafting.residual(p[None], q[None])[0]
+        r = decoding.residual(p[None], q[None])[0]
         out = q * kept + (1 - (q * kept).sum()) * r / r.sum()
         torch.testing.assert_close(out, p, rtol=0, atol=1e-12)
 
@@ -170,7 +170,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
     q = torch.tensor([0.1, 0.1, 0.3, 0.3, 0.2])
     drafts = torch.multinomial(q.expand(N, V), 1, replacement=True, generator=g)[:, 0]
-    kept, tokens = drafting.accept(p.expand(N, V), q.expand(N, V), drafts, g)
+    kept, tokens = decoding.accept(p.expand(N, V), q.expand(N, V), drafts, g)
     freq = torch.bincount(tokens, minlength=V).double() / N
     se = (p.double() * (1 - p.double()) / N).sqrt()
     assert ((freq - p.double()).abs() < 5 * se).all(), (freq, p)
@@ -221,7 +221,7 @@ def test_bad_draft_settings_get_one_line_naming_only_their_cause(kwargs, named, 
     K_used = kwargs.get("loops", K)
     args = {key: kwargs.get(key) for key in ("draft_loops", "cache_slots", "exit_threshold")}
     with pytest.raises(ValueError) as flagged:
-        drafting.check_draft(K_used, draft_len=kwargs.get("draft_len", 4), prefix="--", **args)
+        decoding.check_draft(K_used, draft_len=kwargs.get("draft_len", 4), prefix="--", **args)
     want = message
     for name in SETTINGS:
         want = want.replace(f"{name}=", f"--{name}=").replace(f"{name} unset", f"--{name} unset")
@@ -231,8 +231,8 @@ def test_bad_draft_settings_get_one_line_naming_only_their_cause(kwargs, named, 
 def test_valid_drafts_and_cache_slots_pass_their_checks():
     for K_used in (2, 3, 6):
         for draft_loops in range(1, K_used):
-            drafting.check_draft(K_used, draft_loops, 1, cache_slots=K_used)
-            drafting.check_draft(K_used, draft_loops, 4, prefix="--")
+            decoding.check_draft(K_used, draft_loops, 1, cache_slots=K_used)
+            decoding.check_draft(K_used, draft_loops, 4, prefix="--")
         for slots in [None, *range(1, K_used + 1)]:
             decoding.check_cache_slots(slots, K_used)
 
