@@ -317,6 +317,7 @@ class GPT(nn.Module):
         if self.config.checkpoint_loops and self.training and torch.is_grad_enabled():
             blocks = partial(checkpoint, self.blocks, use_reentrant=False)
         # truncated backprop (Huginn): loops 1..frozen run as constants, the last bptt_loops learn
+        # (bptt_loops None or >= K: frozen <= 0, every loop learns)
         frozen = K - (bptt_loops or K)
         hs, norms, h_prev = [], [], None
         for t in range(1, K + 1):

@@ -226,7 +226,7 @@ def validate(n_tokens):
     loop); a task's on its test items, with "val_acc": its answers' share right (tasks.accuracy)."""
     if task and n_tokens not in val_chunks:
         val_chunks[n_tokens] = task.batches(n_tokens, device_batch_size, rank, world_size)
-    if n_tokens not in val_chunks:
+    elif n_tokens not in val_chunks:
         val_chunks[n_tokens] = data.protocol_chunks(val_files, tok, sequence_len, n_tokens,
                                                     world_size, device_batch_size, rank,
                                                     world_size)[0]
@@ -282,8 +282,8 @@ guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_na
 timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; schedules; forward and backward over the
 # micro-batches; one reduction and one host read; clip and step; log. Read with the norms:
-# - to_sum: the loss, the last micro-batch's loop norms summed, the guard's 0/1 signals (preempted,
-#   interrupted, save_due); watch.tensors(): the logged norms (tests/test_host_syncs.py: one read)
+# - to_sum, summed over the ranks: the mean loss (each rank adds its / W), the last micro-batch's
+#   loop norms (checked finite), the guard's 0/1 signals; one host read takes them and watch's norms
 # - not finite: guard.exit_before_update logs the step, and every rank exits 1 before any update
 while True:
     last_step = step == num_steps  # it only evaluates and saves: step num_steps is the final model
