@@ -20,10 +20,11 @@ later loop, so no target. The gate, fed [h(t), h(t) - h(t-1)] (h(0) = 0), learns
 binary cross-entropy (AdamW, --steps steps, one cached batch each, in turn). The exit rule
 "gate" then stops a position once the gate's probability falls below the threshold.
 
-It writes <step_dir>/exit_gate.pt beside the checkpoint, whole or not at all (a previous one is
-replaced, and said so): {"gate": its state dict, "config": {n_embd, hidden, margin}, "trained":
-{tokens, steps, loops, loss_before, loss_after, positives, ...}}. flt/checkpoint.py's load_model
-attaches it as model.exit_gate (attach_gate); pruning never deletes it (CHECKPOINT_FILE).
+It writes <step_dir>/exit_gate.pt beside the checkpoint, whole or not at all (a previous one only
+under --force, and said so: eval.json's "gate" results were measured with it): {"gate": its state
+dict, "config": {n_embd, hidden, margin}, "trained": {tokens, steps, loops, loss_before,
+loss_after, positives, ...}}. flt/checkpoint.py's load_model attaches it as model.exit_gate
+(attach_gate); pruning never deletes it (CHECKPOINT_FILE).
 """
 import functools
 import math
@@ -177,6 +178,9 @@ def main(argv):
     p.add_argument("--loops", type=int, default=None, help="K; default: the run's")
     p.add_argument("--device", default="", help="cpu | cuda | cuda:N | mps; empty: cuda if any")
     p.add_argument("--seed", type=int, default=0, help="the gate's initialisation")
+    p.add_argument("--force", action="store_true",
+                   help="replace the step's earlier exit_gate.pt (eval.json's gate results were "
+                   "measured with it)")
     args = p.parse_args(argv)
     check(args)
     device = runtime.setup(args.device).device
@@ -185,6 +189,10 @@ def main(argv):
     if not os.path.isfile(os.path.join(step_dir, "model.pt")):
         raise ValueError(f"{args.run}: an exported folder; train the gate on the run it came from "
                          "(its step directory), then export again")
+    gate_file = os.path.join(step_dir, checkpoint.GATE_FILE)
+    if os.path.exists(gate_file) and not args.force:
+        raise FileExistsError(f"{gate_file}: an earlier exit gate, which eval.json's gate results "
+                              "(if any) were measured with; --force replaces it")
     if hasattr(model, "exit_gate"):
         del model.exit_gate  # the earlier gate: the new one learns from scratch
     loops = args.loops or model.config.loops

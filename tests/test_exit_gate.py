@@ -133,9 +133,16 @@ def test_the_command_writes_the_gate_beside_the_checkpoint_and_load_model_attach
         assert torch.allclose(model(idx, exit_threshold=0.0, exit_rule="gate"), model(idx),
                               atol=1e-5, rtol=0)
     assert logits.shape == (2, 12, model.config.vocab_size) and torch.isfinite(logits).all()
-    # run again: the same command's output, replaced and said so; nothing else in the directory
-    status, stdout, _ = run_module("flt.exit_gate", run, "--tokens=128", "--steps=5",
-                                   "--batch_size=4", "--device=cpu")
+    # run again: refused in one line, the gate untouched; with --force, replaced and said so;
+    # nothing else in the directory
+    before = open(path, "rb").read()
+    again = ["flt.exit_gate", run, "--tokens=128", "--steps=5", "--batch_size=4", "--device=cpu"]
+    status, stdout, stderr = run_module(*again)
+    assert (status, stdout) == (1, "") and stderr == (
+        f"flt.exit_gate: FileExistsError: {path}: an earlier exit gate, which eval.json's gate "
+        "results (if any) were measured with; --force replaces it\n")
+    assert open(path, "rb").read() == before
+    status, stdout, _ = run_module(*again, "--force")
     assert status == 0 and f"replacing {path}, an earlier exit gate" in stdout
     assert checkpoint.load_file(path)["config"]["hidden"] == 64
     assert sorted(os.listdir(step_dir)) == ["exit_gate.pt", "model.pt", "rank0.pt",
