@@ -425,11 +425,39 @@ def _cache_problem(directory, names):
     return f"{unknown} missing or not in {MANIFEST}" if unknown else ""
 
 
+# data.py's BPE cache, tokenizer_bpe<N>.json (or a user's file of that name), and the copy
+# _keep_tokenizers keeps of it through a rebuild
+TOKENIZER_FILE = r"tokenizer_bpe\d+\.json(\.before-rebuild\d*)?"
+
+
+def _keep_tokenizers(out, built):
+    """Move the tokenizer files of out, a corpus about to be replaced, into the one built in
+    `built`. tokenizer_bpe<N>.json becomes tokenizer_bpe<N>.json.before-rebuild (then
+    ...before-rebuild2, 3, ... where taken; copies kept by earlier rebuilds keep their names): data.py
+    trains a new BPE on the rebuilt shards, and the earlier file, data.py's or a user's, is kept."""
+    for name in sorted(os.listdir(out), key=lambda name: (".before-rebuild" not in name, name)):
+        if not re.fullmatch(TOKENIZER_FILE, name):
+            continue
+        base = name.split(".before-rebuild")[0]
+        new = name if name != base else f"{base}.before-rebuild"
+        n = 2
+        while os.path.exists(os.path.join(built, new)):
+            new = f"{base}.before-rebuild{n}"
+            n += 1
+        try:
+            os.rename(os.path.join(out, name), os.path.join(built, new))
+        except FileNotFoundError:  # another host's rebuild moved it first
+            continue
+        if new != name:
+            print(f"embedded corpus: kept {os.path.join(out, name)} as {new} in the rebuilt corpus")
+
+
 def _not_ours(out, built, names):
     """The files in out, an embedded corpus about to be replaced by the one built in `built`, that this
     project did not write, and that are so never removed. Its own: out's manifest.json, if it is this
     project's, and the corpus shards (`names`) it lists; a file byte for byte the one just built;
-    data.py's tokenizer_bpe<N>.json, trained on these shards; the locks and temp files of those."""
+    a tokenizer file, carried into the new corpus (_keep_tokenizers); the locks and temp files of
+    those."""
     try:
         ours = {MANIFEST} | (_read_manifest(out).keys() & set(names))
     except ValueError:  # a manifest.json that is not the project's vouches for nothing
@@ -437,7 +465,7 @@ def _not_ours(out, built, names):
 
     def own(name):
         base = name.split(".tmp.")[0].removesuffix(".lock")
-        if base in ours or re.fullmatch(r"tokenizer_bpe\d+\.json", base):
+        if base in ours or re.fullmatch(TOKENIZER_FILE, base):
             return True
         twin = os.path.join(built, name)
         return os.path.isfile(twin) and filecmp.cmp(twin, os.path.join(out, name), shallow=False)
@@ -484,12 +512,14 @@ def embedded_corpus(data_dir):
                                       "another data_dir), and the corpus is rebuilt there")
             # unless another host has put its build there meanwhile (the rename below then fails)
             if _cache_problem(out, names):
+                _keep_tokenizers(out, tmp)
                 shutil.rmtree(out, ignore_errors=True)  # another host may be removing it too
         try:
             os.rename(tmp, out)
         except OSError:  # another host renamed its build there first: the same corpus, so use it
             if _cache_problem(out, names):
                 raise
+            _keep_tokenizers(tmp, out)
             shutil.rmtree(tmp)
             return paths
         n_bytes = [sum(len(t.encode()) for t in shard) for shard in shards]

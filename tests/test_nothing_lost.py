@@ -261,6 +261,28 @@ def test_the_embedded_corpus_rebuild_keeps_files_it_did_not_write(embedded, tmp_
     assert snapshot(cache) == before and sorted(os.listdir(tmp_path)) == ["embedded"]
 
 
+
+def test_the_embedded_corpus_rebuild_keeps_a_tokenizer_file_under_another_name(embedded, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A damaged corpus holding tokenizer_bpe<N>.json (data.py's cache, or a user's file of that name) is rebuilt
+    with that file moved in beside the new shards, byte for byte, as <name>.before-rebuild: a new BPE is trained
+    on the rebuilt shards, and nothing is deleted; a second rebuild numbers the next copy."""
+    import pyarrow.parquet as pq
+    docs = [t for p in embedded for t in pq.read_table(p).column("text").to_pylist()]
+    monkeypatch.setattr(corpus, "_embedded_documents", lambda: list(docs))
+    cache = tmp_path / "embedded"
+    shutil.copytree(os.path.dirname(embedded[0]), cache, ignore=shutil.ignore_patterns("*.lock", "tokenizer*"))
+    for text in ('{"my": "tokenizer"}', '{"my": "second tokenizer"}'):
+        (cache / "tokenizer_bpe512.json").write_text(text)
+        os.remove(cache / "shard_00002.parquet")
+        paths = corpus.embedded_corpus(str(tmp_path))
+        assert not corpus.verify_manifest(str(cache), [os.path.basename(p) for p in paths])
+        assert "tokenizer_bpe512.json" not in os.listdir(cache)
+        assert f"kept {cache / 'tokenizer_bpe512.json'} as tokenizer_bpe512.json.before-rebuild" in capsys.readouterr().out
+    assert (cache / "tokenizer_bpe512.json.before-rebuild").read_text() == '{"my": "tokenizer"}'
+    assert (cache / "tokenizer_bpe512.json.before-rebuild2").read_text() == '{"my": "second tokenizer"}'
+
+
 # ---- train.py: the run directory, its checkpoints and its log
 
 def tree(folder):
