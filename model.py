@@ -454,11 +454,12 @@ class GPT(nn.Module):
         model. The blocks share their code: graphs per kind of layer (window x injection), reused
         in every loop, so compile time does not grow with K and checkpoint_loops keeps working
         (a whole-model graph's backward keeps every loop's activations alive). Past
-        recompile_limit graphs dynamo silently runs calls eagerly: training needs one per kind,
-        grad mode and requires_grad of x and h_prev (at most 4 a kind in loop 1, 8 later), so
-        the limit is raised to that; evaluation runs eagerly (flt/runtime.py: evaluating,
-        set_stance("force_eager")), or each input length would add graphs. Cached decoding
-        bypasses them (its compiled step: flt/decoding.py: Decoder). Returns the model."""
+        recompile_limit graphs dynamo runs calls eagerly, after one logged warning: training
+        needs one per kind, grad mode and requires_grad of x and h_prev (at most 4 a kind in
+        loop 1, 8 later), so the limit is raised to that; evaluation runs eagerly
+        (flt/runtime.py: evaluating, set_stance("force_eager")), or each input length would add
+        graphs. Cached decoding bypasses them (its compiled step: flt/decoding.py: Decoder).
+        Returns the model."""
         for block in self.transformer.h:
             block.compile(**kwargs)
         # fuses softcap + cross-entropy over (B, T, V)
