@@ -67,9 +67,9 @@ class Tokenizer:
 
     def token_bytes(self, count="authors"):
         """Bytes of each id for bits per byte, a (vocab_size,) long tensor. "authors" (the paper's;
-        their get_token_bytes): len(decode([id]).encode()), 0 for added tokens: 3 per U+FFFD of a
-        split character (its first 2 bytes: one, 3; its last 2: two, 6). "utf8": true bytes (BPE:
-        a token's characters; a task's WordLevel symbol: its UTF-8), 0 for special tokens only."""
+        their get_token_bytes): len(decode([id]).encode()), 0 for added tokens; a token holding
+        part of a character decodes to U+FFFD, 3 bytes, per broken piece ("€" is E2 82 AC: E2 82
+        is one, 3; 82 AC two, 6). "utf8": the true UTF-8 bytes, 0 for special tokens only."""
         if count not in ("authors", "utf8"):
             raise ValueError(f"token_bytes: count must be 'authors' or 'utf8', got {count!r}")
         added = self.tok.get_added_tokens_decoder()

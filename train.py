@@ -159,7 +159,7 @@ if dry_run:
 settings["dtype"] = dtype
 tracker = tracking.Tracker(wandb_project, out_dir, settings) if master and wandb_project else None
 
-# Shards (the last: validation; none for a task) and tokenizer, before the process group (inputs)
+# Shards (validation last; a task: none) and tokenizer (a task's: tasks.tokenizer), flt/inputs.py
 shards = inputs.shards(settings, num_steps * total_batch_size)
 train_files, val_files = shards[:-1], shards[-1:]
 tok = inputs.tokenizer(settings, train_files)

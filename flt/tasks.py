@@ -34,8 +34,8 @@ A task run, from generation to score: this file, and train.py.
 - the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.rows` packs
   items into rows, where y[i] is the answer at x[i] itself, not the next token;
 - the training (train.py, as for text): `task_of(settings)` is the task, and it has no shards, no
-  files at all; its tokenizer is `tokenizer(task)` below (train.py calls flt/inputs.py's
-  tokenizer, which returns it for a task); `Task.loader` stands where data.DataLoader would, and
+  files at all; its tokenizer, train.py's `tok`, is `tokenizer(task)` below (train.py's comment
+  there says so); `Task.loader` stands where data.DataLoader would, and
   `model(x, y)` takes the loss of text: the cross-entropy at position i against y[i], -1 skipped,
   which for a task is the answer at x[i] itself (train.py says so);
 - the score (train.py's validate): on `Task.batches(n_tokens, ...)`, the first test items with
