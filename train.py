@@ -248,11 +248,11 @@ def core_score():
 
 def save(step):
     """This step's checkpoint: the model, and each rank's optimizers, loader position, divergence
-    monitor and RNGs; its path."""
+    monitor and RNGs; its path. A stop's save keeps a run --overwrite set aside (checkpoint.py)."""
     rank_state = checkpoint.rank_state(optimizers, loader, guard.monitor, cuda)
     return checkpoint.save(out_dir, step, model, rank_state, settings=settings, rank=rank,
                            keep=keep_checkpoints, keep_every=keep_every,
-                           files={"tokenizer.json": tok.save})
+                           files={"tokenizer.json": tok.save}, stopping=guard.preempted)
 
 
 def set_schedules(step):

@@ -384,9 +384,12 @@ WRITTEN, NO_SPACE, DISK_FULL, FAILED = range(4)
 PUBLISH = "rename it into place or prune the older checkpoints"
 
 
-def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_every=0, files=None):
+def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_every=0, files=None,
+         stopping=False):
     """Write checkpoint `step` atomically (every rank calls this; rank 0 owns the directory), then
-    prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer).
+    prune (see prune). files: {name: writer(path)} for rank 0 (the tokenizer). The run --overwrite
+    set aside (REPLACED) is deleted by the new run's first checkpoint, but not by one a stop asked
+    for (stopping: a Ctrl-C in the first steps may be the user taking the --overwrite back).
     Refuses non-finite parameters: a checkpoint of a diverged model would replace a good one.
 
     Every rank first checks that the disk of out_dir has room for the whole checkpoint
@@ -401,7 +404,9 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
     if bad:
         raise ValueError(f"step {step}: non-finite parameters {bad[:3]}; not saving over a good checkpoint")
     final, tmp = (os.path.join(out_dir, p + step_name(step)) for p in ("", "tmp_"))
-    old = final + ".old"
+    # where an earlier step_N goes while the new one is put in: a name nothing else holds (a
+    # user's step_N.old is not touched); kept there if it holds results or a user's files
+    old = unused_name(final + ".old")
     world = runtime.rank_world()[1]
     needed = checkpoint_bytes(out_dir, state, rank_state, world)
     hint = (f"nothing of {os.path.basename(final)} was kept and the earlier checkpoints are untouched; free "
@@ -458,9 +463,18 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
             if os.path.isdir(final):  # the same step saved again: the old copy goes only after the new is in
                 os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if os.path.isdir(old) and not set(os.listdir(old)) <= set(checkpoint_files(old)):
+                print(f"step {step} saved again: the earlier {os.path.basename(final)} is kept as {old}, "
+                      f"for {', '.join(sorted(set(os.listdir(old)) - set(checkpoint_files(old))))}, which "
+                      "training did not write", flush=True)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
             prune(out_dir, keep, keep_every)
-            drop_replaced(out_dir)
+            if not stopping:
+                drop_replaced(out_dir)
+            elif os.path.isdir(os.path.join(out_dir, REPLACED)):
+                print(f"kept {os.path.join(out_dir, REPLACED)}, the run --overwrite set aside: this save "
+                      "was a stop's; the next scheduled save deletes it", flush=True)
 
     agree(first_part)
     agree(lambda: _save(rank_state, os.path.join(tmp, f"rank{rank}.pt")))
@@ -494,7 +508,13 @@ def prune(out_dir, keep, keep_every=0, log=print):
     half = [os.path.join(out_dir, name) for name in sorted(os.listdir(out_dir))
             if _STEP.fullmatch(name) and os.path.join(out_dir, name) not in complete]
     for path in old + [p for p in half if os.path.isdir(p) and checkpoint_files(p)]:
-        remove_checkpoint(path, log)
+        if os.path.islink(path):  # a step moved elsewhere and linked back: its files are not ours to delete
+            log(f"kept {path}: a link (to {os.path.realpath(path)}), never pruned")
+            continue
+        try:
+            remove_checkpoint(path, log)
+        except OSError as e:  # a failed delete costs disk, not the run: training goes on
+            log(f"could not prune {path} ({e.strerror or e}); it stays, and training goes on")
 
 
 def checkpoint_files(step_dir):
@@ -527,7 +547,7 @@ IMPORTED = "imported.json"
 SETTINGS = "settings.json"
 RUN_FILES = ("log.jsonl", "log.replayed.jsonl", SETTINGS, "wandb.json", IMPORTED)
 # What a run writes besides them: its checkpoints, half-written ones, and ones set aside
-RUN_DIRS = re.compile(r"(tmp_)?step_\d+(\.old|\.unreadable\d*)?")
+RUN_DIRS = re.compile(r"(tmp_)?step_\d+(\.old\d*|\.unreadable\d*)?")
 # Where --overwrite moves the run it replaces, until the new run's first checkpoint is written
 REPLACED = "replaced_run"
 
@@ -615,8 +635,8 @@ def prepare_out_dir(out_dir, resume, overwrite, log=print):
             log(f"--overwrite: moved the run in {out_dir} to {replaced}; it is deleted once this run "
                 f"has saved its first checkpoint")
             return replaced
-    for name in os.listdir(out_dir):  # half-written checkpoints of a killed run
-        if name.startswith("tmp_step_"):
+    for name in os.listdir(out_dir):  # half-written checkpoints of a killed run (tmp_step_N exactly)
+        if re.fullmatch(r"tmp_step_\d+", name):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return None
 

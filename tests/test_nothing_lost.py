@@ -13,8 +13,10 @@ import os
 import shutil
 import textwrap
 import zipfile
+from unittest.mock import patch
 
 import pytest
+import torch
 
 from conftest import config_for_depth, run_module
 from flt import checkpoint, corpus, runtime
@@ -325,6 +327,65 @@ def test_a_refused_second_run_changes_no_byte_of_the_live_one(six, data_dir):
     finally:
         held.close()
 
+
+
+def test_saving_a_step_again_keeps_what_the_earlier_one_held_besides_its_checkpoint(six, data_dir):
+    """A run rolled back by removing step 6's weights (its eval.json and notes left there) saves step 6
+    again: the earlier step_000006 is kept beside it under a name nothing holds, and a user's own
+    step_000006.old, a backup, is not touched; a folder merely named tmp_step_* is not a half-written
+    checkpoint, and stays."""
+    for name in ("model.pt", "rank0.pt"):
+        os.remove(six / "step_000006" / name)
+    (six / "step_000006" / "notes.txt").write_text("why I rolled back")
+    shutil.copytree(six / "step_000003", six / "step_000006.old")
+    (six / "tmp_step_scratch").mkdir()
+    (six / "tmp_step_scratch" / "a.txt").write_text("mine")
+    backup = tree(six / "step_000006.old")
+    p = train(six, data_dir, "--num_steps=6", "--save_interval=3", "--sample_tokens=0", "--resume")
+    kept = six / "step_000006.old2"
+    assert f"step 6 saved again: the earlier step_000006 is kept as {kept}, for notes.txt" in p.stdout
+    assert (kept / "notes.txt").read_text() == "why I rolled back" and not (kept / "model.pt").exists()
+    assert tree(six / "step_000006.old") == backup and (six / "tmp_step_scratch" / "a.txt").read_text() == "mine"
+    assert checkpoint.list_checkpoints(str(six))[-1][1] == str(six / "step_000006")
+
+
+def test_pruning_keeps_a_linked_step_and_a_step_it_cannot_delete(tmp_path):
+    """prune deletes the checkpoint files of old steps in out_dir itself: a step directory that is a link
+    (moved to an archive and linked back) is kept with its target's files, and one whose files cannot be
+    deleted is named in a line, not an error that would stop training."""
+    out, archive = tmp_path / "run", tmp_path / "archive"
+    for step in (1, 2, 3, 4):
+        (out / f"step_00000{step}").mkdir(parents=True)
+        (out / f"step_00000{step}" / "model.pt").write_bytes(b"weights")
+    shutil.move(out / "step_000001", archive)
+    os.symlink(archive, out / "step_000001")
+    lines = []
+    real_remove = os.remove
+
+    def failing_remove(path):
+        if "step_000002" in str(path):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        real_remove(path)
+    with patch.object(os, "remove", failing_remove):
+        checkpoint.prune(str(out), keep=1, log=lines.append)
+    assert (archive / "model.pt").read_bytes() == b"weights"
+    assert (out / "step_000002" / "model.pt").exists() and not (out / "step_000003").exists()
+    assert lines == [f"kept {out / 'step_000001'}: a link (to {archive}), never pruned",
+                     f"could not prune {out / 'step_000002'} (Operation not permitted); it stays, and training goes on"]
+
+
+def test_a_stops_save_keeps_the_run_overwrite_set_aside_and_a_scheduled_save_deletes_it(six, capsys):
+    """The run --overwrite moved to replaced_run/ outlives a checkpoint a stop asked for (a Ctrl-C in the first
+    steps may be the user taking the --overwrite back), and goes with the next scheduled one."""
+    model, meta = checkpoint.load_model(str(six), log=lambda *a: None)
+    shutil.copytree(six / "step_000003", six / checkpoint.REPLACED / "step_000003")
+    rank_state = torch.load(six / "step_000006" / "rank0.pt", weights_only=True)
+    for stopping, kept in ((True, True), (False, False)):
+        checkpoint.save(str(six), 7, model, rank_state, settings=meta["settings"], stopping=stopping)
+        assert (six / checkpoint.REPLACED).is_dir() == kept
+    out = capsys.readouterr().out
+    assert f"kept {six / checkpoint.REPLACED}, the run --overwrite set aside: this save was a stop's" in out
+    assert f"deleted {six / checkpoint.REPLACED}" in out
 
 OVERWRITE_SEEN = textwrap.dedent("""
     import os
