@@ -180,7 +180,7 @@ byte_tables = {count: tok.token_bytes(count).to(device) for count in evaluation.
 core_tasks = corpus.load_bundle(bundle_dir) if core_interval else None
 
 # The model: fresh, or exactly as the newest readable checkpoint saved it (flt/guard.py)
-ckpt_path, meta = resume_point(rt, out_dir, resume, settings, num_steps)
+ckpt_path, meta = resume_point(rt, out_dir, resume, settings, num_steps, tok)
 with torch.device(device):
     model = GPT(GPTConfig(**meta["config"]) if meta else config)
 if meta:

@@ -482,6 +482,19 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
     return final
 
 
+def check_same_tokenizer(step_dir, tok, settings):
+    """A ValueError unless tok, the tokenizer a resumed run read (the BPE cached in data_dir, a
+    file, a task's vocabulary), is the one the checkpoint in step_dir trained with, its
+    tokenizer.json: under other ids the weights would read other text."""
+    saved = os.path.join(step_dir, "tokenizer.json")
+    if os.path.isfile(saved) and _read_json(saved) != json.loads(tok.tok.to_str()):
+        where = "the BPE cached in data_dir" if settings["tokenizer"] == "bpe" else "the file"
+        raise ValueError(f"--resume: {step_dir} trained with its tokenizer.json, and this run read "
+                         f"another one (tokenizer={settings['tokenizer']!r}, data_dir="
+                         f"{settings['data_dir']!r}); copy {saved} over {where}, or resume with the "
+                         "data_dir and tokenizer the run trained with")
+
+
 def check_keep(keep):
     """keep_checkpoints: train.py checks it before a run starts, prune whenever it deletes."""
     if keep < 0:

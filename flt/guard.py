@@ -116,17 +116,20 @@ class Guard:
                      code)
 
 
-def resume_point(rt, out_dir, resume, settings, num_steps):
+def resume_point(rt, out_dir, resume, settings, num_steps, tok):
     """(step_dir, meta) of the newest readable checkpoint in out_dir (load_newest) if the run
     resumes (resume=True, or "auto" and out_dir holds a checkpoint), else (None, None). A resumed
-    run's settings may differ only in planning.RESUMABLE; one already at num_steps has nothing to
-    do (exit 0; past it, exit 2); newer unreadable checkpoints are set aside (rank 0), so that
-    they do not outrank the ones this run writes."""
+    run's settings may differ only in planning.RESUMABLE, and its tokenizer (tok, read from
+    data_dir) must be the checkpoint's; one already at num_steps has nothing to do (exit 0; past
+    it, exit 2); newer unreadable checkpoints are set aside (rank 0), so that they do not outrank
+    the ones this run writes."""
     if not (resume is True or (resume == "auto" and checkpoint.list_checkpoints(out_dir))):
         return None, None
     path, meta = checkpoint.load_newest(out_dir, rt.device, rank_files=True, log=print0)
     # your own files must still hold the documents it trained on (and its tokenizer was trained on)
     owndata.check_unchanged(meta.get("data"), settings, f"--resume: {path}")
+    # the same token ids: data_dir's tokenizer (a BPE cache rebuilt, another machine) is the run's
+    checkpoint.check_same_tokenizer(path, tok, settings)
     step = meta["step"]
     changed = planning.resume_changes(meta["settings"], settings, path)
     if step >= num_steps:

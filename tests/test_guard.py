@@ -146,10 +146,10 @@ def test_divergence_stops_after_the_window_and_is_watched_without_one(make_guard
 
 def test_resume_point_is_none_for_a_fresh_run(tmp_path):
     rt = runtime.setup("cpu")
-    assert resume_point(rt, str(tmp_path), False, {}, 10) == (None, None)
-    assert resume_point(rt, str(tmp_path), "auto", {}, 10) == (None, None)  # nothing to resume
+    assert resume_point(rt, str(tmp_path), False, {}, 10, None) == (None, None)
+    assert resume_point(rt, str(tmp_path), "auto", {}, 10, None) == (None, None)  # nothing to resume
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):  # --resume: one is needed
-        resume_point(rt, str(tmp_path), True, {}, 10)
+        resume_point(rt, str(tmp_path), True, {}, 10, None)
     assert checkpoint.list_checkpoints(str(tmp_path)) == []
     # nothing to restore: no loader state, a new divergence monitor, no saving ranks to reshard from
     assert restore_ranks(rt, None, None, []) == (None, diagnostics.NEW_MONITOR, None)

@@ -387,6 +387,30 @@ def test_a_stops_save_keeps_the_run_overwrite_set_aside_and_a_scheduled_save_del
     assert f"kept {six / checkpoint.REPLACED}, the run --overwrite set aside: this save was a stop's" in out
     assert f"deleted {six / checkpoint.REPLACED}" in out
 
+
+def test_a_resume_refuses_a_tokenizer_other_than_the_checkpoints(six, data_dir, tmp_path):
+    """data_dir's BPE cache replaced (a rebuild, another machine's corpus): the same ids would be other text
+    under the checkpoint's weights, so --resume is refused in one line naming both files, and the run is
+    untouched."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data, ignore=shutil.ignore_patterns("*.lock"))
+    cached = data / "embedded" / "tokenizer_bpe512.json"
+    spec = json.loads(cached.read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = [token for token, i in vocab.items() if i in (300, 301)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    cached.write_text(json.dumps(spec))
+    before = tree(six)
+    p = train(six, data, "--num_steps=9", "--save_interval=3", "--sample_tokens=0", "--resume", check=False)
+    saved = six / "step_000006" / "tokenizer.json"
+    assert p.returncode == 1 and p.stderr == (
+        f"train.py: ValueError: --resume: {six / 'step_000006'} trained with its tokenizer.json, and this run "
+        f"read another one (tokenizer='bpe', data_dir='{data}'); copy {saved} over the BPE cached in data_dir, "
+        "or resume with the data_dir and tokenizer the run trained with\n")
+    assert tree(six) == before
+    shutil.copy(saved, cached)
+    train(six, data, "--num_steps=9", "--save_interval=3", "--sample_tokens=0", "--resume")
+
 OVERWRITE_SEEN = textwrap.dedent("""
     import os
     from flt import checkpoint
