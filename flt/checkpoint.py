@@ -582,19 +582,28 @@ def check_no_results(out_dir, doing):
                          "another --out_dir")
 
 
+# What each of a run's files holds, as train.py writes it: JSON objects with these keys (a log: its
+# first line, or nothing yet)
+RUN_FILE_KEYS = {SETTINGS: {"variant", "loops"}, "log.jsonl": {"step"}, "log.replayed.jsonl": {"step"},
+                 "wandb.json": {"project", "id"}}
+
+
 def check_settings_file(out_dir):
-    """A settings.json in out_dir must be one train.py wrote (a JSON object of its settings): a
-    user's file of that name is refused, never replaced."""
-    path = os.path.join(out_dir, SETTINGS)
-    if not os.path.exists(path):
-        return
-    try:
-        saved = _read_json(path)
-    except (OSError, ValueError):
-        saved = None
-    if not (isinstance(saved, dict) and {"variant", "loops"} <= saved.keys()):
-        raise ValueError(f"{path} was not written by train.py (it writes its settings there): move "
-                         f"it, or choose another --out_dir")
+    """settings.json, log.jsonl, log.replayed.jsonl and wandb.json in out_dir must be the ones a run
+    wrote (RUN_FILE_KEYS): a user's file of such a name is refused, never replaced or deleted."""
+    for name, keys in RUN_FILE_KEYS.items():
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                first = f.read() if name.endswith(".json") else f.readline()
+            saved = json.loads(first) if first.strip() or name.endswith(".json") else dict.fromkeys(keys)
+        except (OSError, ValueError):
+            saved = None
+        if not (isinstance(saved, dict) and keys <= saved.keys()):
+            raise ValueError(f"{path} was not written by train.py (a run writes its {name} there): "
+                             "move it, or choose another --out_dir")
 
 
 def prepare_out_dir(out_dir, resume, overwrite, log=print):

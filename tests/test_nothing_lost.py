@@ -501,13 +501,22 @@ def test_a_resumed_log_holds_each_step_once_and_keeps_the_replayed_lines(six, da
     assert "moved to log.replayed.jsonl" in p.stdout
 
 
-def test_a_users_settings_json_is_refused_not_replaced(tmp_path, data_dir):
+@pytest.mark.parametrize("name, text, how", [
+    ("settings.json", '{"lr": 0.1}', []), ("settings.json", '{"lr": 0.1}', ["--resume=auto"]),
+    ("log.jsonl", "my own log\n", ["--resume=auto"]), ("log.jsonl", "my own log\n", ["--overwrite"]),
+    ("log.replayed.jsonl", '{"epoch": 1}\n', ["--resume=auto"]), ("wandb.json", "[]", ["--overwrite"])])
+def test_a_users_file_named_like_a_runs_is_refused_not_replaced(tmp_path, data_dir, name, text, how):
+    """A folder holding the user's own settings.json, log.jsonl, log.replayed.jsonl or wandb.json (no
+    checkpoint): a fresh run, --resume=auto (which clears a run that never saved) and --overwrite are each
+    refused in one line naming the file, which stays byte for byte."""
     out = tmp_path / "mine"
     out.mkdir()
-    (out / "settings.json").write_text('{"lr": 0.1}')
+    (out / name).write_text(text)
     before = tree(out)
-    p = train(out, data_dir, "--num_steps=2", check=False)
-    assert p.returncode == 1 and "settings.json was not written by train.py" in p.stderr
+    p = train(out, data_dir, "--num_steps=2", *how, check=False)
+    assert p.returncode == 1 and p.stderr == (f"train.py: ValueError: {out / name} was not written by train.py "
+                                              f"(a run writes its {name} there): move it, or choose another "
+                                              "--out_dir\n")
     assert tree(out) == before
 
 
