@@ -74,11 +74,17 @@ def list_checkpoints(out_dir):
 
 
 def load_file(path, device="cpu"):
-    """torch.load with weights_only=True; any failure becomes a ValueError naming the file."""
+    """torch.load with weights_only=True; a file that cannot be read as a checkpoint becomes a
+    ValueError naming it (the next older checkpoint is then tried). The disk or the device failing
+    (an OSError such as EIO, out of memory) is no judgement on the file: it is raised as such, so that
+    a good checkpoint is never set aside as unreadable for it."""
     try:
         return torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError:
+    except (FileNotFoundError, torch.OutOfMemoryError):
         raise
+    except OSError as e:
+        raise OSError(e.errno, f"{path}: could not be read ({e.strerror or e}); the file may be good: "
+                      "try again once the disk answers") from e
     except Exception as e:  # truncated zip, foreign pickle, a crafted file: never executed
         raise ValueError(f"{path}: not a readable checkpoint file ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from e

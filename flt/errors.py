@@ -21,10 +21,11 @@ import sys
 import traceback
 
 # What a user's input or machine raises. A full disk is an OSError with errno ENOSPC (or EDQUOT):
-# runtime.DiskSpaceError, checked before writing, or the write itself; a read-only one, EROFS.
+# runtime.DiskSpaceError, checked before writing, or the write itself; a read-only one, EROFS; one
+# failing to read, EIO (checkpoint.load_file names the file).
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
                PermissionError, ConnectionError)
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 def is_user_error(e):

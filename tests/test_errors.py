@@ -28,9 +28,10 @@ def python(*argv):
     (runtime.DiskSpaceError("checkpoint step 4", "out", 2_000_000, 1_000, "free some space"), True),
     (OSError(errno.ENOSPC, "No space left on device"), True),  # the disk filled during a write
     (OSError(errno.EROFS, "Read-only file system", "data/embedded.lock"), True),  # a read-only data_dir
+    (OSError(errno.EIO, "Input/output error", "out/step_000006/model.pt"), True),  # a disk failing to read
     (ConnectionError("download failed after 1 attempts"), True),
     (PermissionError(13, "Permission denied", "out/run"), True),
-    (RuntimeError("an invariant broke"), False), (KeyError("step"), False), (OSError(errno.EIO, "I/O"), False),
+    (RuntimeError("an invariant broke"), False), (KeyError("step"), False), (OSError(errno.EBADF, "fd"), False),
 ])
 def test_user_errors_are_one_line_and_bugs_keep_their_traceback(monkeypatch, capsys, error, user):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -125,7 +126,7 @@ def one_line(p, expected):
 def test_train_py_mistakes_are_one_line_each(tmp_path):
     """The mistakes of a first hour with train.py, each stopped before any data or model work."""
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "log.jsonl").write_text("{}\n")
+    (tmp_path / "run" / "log.jsonl").write_text('{"step": 0}\n')
     where = [f"--data_dir={tmp_path / 'data'}"]
     run = str(tmp_path / "run")
     torch_version = __import__("torch").__version__

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import config_for_depth, run_module
-from flt import checkpoint, corpus, runtime
+from flt import checkpoint, corpus, errors, runtime
 from model import GPT
 from test_plot import write_run
 from test_train import checkpoints, losses, runner, train
@@ -410,6 +410,29 @@ def test_a_resume_refuses_a_tokenizer_other_than_the_checkpoints(six, data_dir, 
     assert tree(six) == before
     shutil.copy(saved, cached)
     train(six, data, "--num_steps=9", "--save_interval=3", "--sample_tokens=0", "--resume")
+
+
+def test_a_disk_that_fails_to_read_the_newest_checkpoint_does_not_demote_it(six):
+    """An I/O error reading step 6's model.pt says nothing about the file: the resume stops naming it
+    (one line, an EIO: a disk error), and step 6 stays the newest checkpoint, not set aside as unreadable
+    for the next run to train past; a truncated file is still skipped for the one before it."""
+    newest = str(six / "step_000006" / "model.pt")
+    real_load = torch.load
+
+    def failing_load(path, *args, **kwargs):
+        if str(path) == newest:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_load(path, *args, **kwargs)
+    before = tree(six)
+    with patch.object(torch, "load", failing_load), pytest.raises(OSError) as e:
+        checkpoint.load_newest(str(six), rank_files=True, log=lambda *a: None)
+    assert e.value.errno == errno.EIO and str(e.value) == (
+        f"[Errno 5] {newest}: could not be read (Input/output error); the file may be good: try again once the "
+        "disk answers")
+    assert errors.is_user_error(e.value) and tree(six) == before
+    with open(newest, "r+b") as f:
+        f.truncate(100)
+    assert checkpoint.load_newest(str(six), log=lambda *a: None)[0] == str(six / "step_000003")
 
 OVERWRITE_SEEN = textwrap.dedent("""
     import os
