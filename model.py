@@ -397,7 +397,7 @@ class GPT(nn.Module):
         batch. draft_loops = K_d < K: draft draft_len tokens with K_d loops, verify them with
         loops K_d+1..K (flt/decoding.py): the same tokens, or sampling the same distribution.
         decode: the steps' path (flt/decoding.py: Decoder), "eager", "static" (one shape a step)
-        or "compiled" (on CUDA captured as CUDA graphs); None: compiled on CUDA, else eager."""
+        or "compiled" (CUDA graphs on CUDA); None: compiled on CUDA, eager elsewhere or exiting."""
         check_prompt(idx, max_new_tokens, attention_mask, self.config.sequence_len)
         rng = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
         K = self.loop_count(loops)
