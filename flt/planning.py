@@ -104,6 +104,8 @@ def consumed_tokens_per_s(model, gpu="H100", mfu=0.40):
 # The functions below take train.py's settings (the dict configure returns, or any mapping of them)
 # and return or raise; train.py calls them before any data, model or process group exists.
 
+# The largest learning rate a setting may name: far past any that trains, far below fp32's overflow
+MAX_LR = 1e6
 # Settings a resumed run may change (bookkeeping); everything else must match the checkpoint.
 RESUMABLE = {"resume", "overwrite", "out_dir", "out_root", "num_steps", "eval_interval", "eval_tokens",
              "final_eval_tokens", "save_interval", "save_interval_minutes", "keep_checkpoints", "keep_every",
@@ -180,9 +182,12 @@ def check_settings(s, defaults):
                           "run without a graph, the embedding would never train")
     if s["divergence_nats"] <= 0:
         bad("divergence_nats", "a positive number of nats")
-    for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "grad_clip"):
-        if s[key] <= 0:
-            bad(key, "a positive learning rate" if key != "grad_clip" else "a positive gradient norm")
+    # finite and at most MAX_LR: an update lr times larger than that overflows fp32 in AdamW's step
+    for key in ("matrix_lr", "embedding_lr", "unembedding_lr"):
+        if not (math.isfinite(s[key]) and 0 < s[key] <= MAX_LR):
+            bad(key, f"a positive learning rate, at most {MAX_LR:g}")
+    if not s["grad_clip"] > 0:
+        bad("grad_clip", "a positive gradient norm")
     if not 0 <= s["warmdown_frac"] <= 1:
         bad("warmdown_frac", "a fraction of the steps from 0 to 1")
     for key in ("momentum_warmup_steps", "sample_tokens"):

@@ -195,6 +195,10 @@ def test_the_defaults_and_every_allowed_choice_pass():
                                  "world_size = 2048"),
     (dict(watch_layer=3), "watch_layer=3: expected a layer index below depth=3"),
     (dict(divergence_nats=0.0), "divergence_nats=0.0: expected a positive number of nats"),
+    # nan passed `<= 0`; 1e38 overflowed fp32 inside AdamW's first step, a traceback
+    (dict(matrix_lr=float("nan")), "matrix_lr=nan: expected a positive learning rate, at most 1e+06"),
+    (dict(embedding_lr=1e38), "embedding_lr=1e+38: expected a positive learning rate, at most 1e+06"),
+    (dict(grad_clip=float("nan")), "grad_clip=nan: expected a positive gradient norm"),
     (dict(save_interval_minutes=-1.0), "save_interval_minutes=-1.0: expected minutes >= 0 (0 = off)"),
     (dict(loops_sampler="poisson"), "loops_sampler='poisson': expected 'fixed' or 'uniform' or"),
     (dict(loops_sampler="uniform", loops_min=4, loops_max=2), "loops_max=2: expected an integer >= loops_min=4"),
