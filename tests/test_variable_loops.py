@@ -51,7 +51,7 @@ def test_sampler_depends_on_seed_and_step_only():
 
 # ----------------------------------------------------------------------------- truncated backprop
 
-@pytest.mark.parametrize("variant", ["LT", "LT_i", "FLT"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_truncated_backprop_equals_detaching_the_early_loops(variant):
     """bptt_loops=2 at K=5: the gradients of a hand-written run whose first 3 loops' output is
     detached, continued by loops 4 and 5; and not those of full backpropagation."""
