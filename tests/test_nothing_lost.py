@@ -525,9 +525,8 @@ def test_a_resumed_log_holds_each_step_once_and_keeps_the_replayed_lines(six, da
 
 
 @pytest.mark.parametrize("name, text, how", [
-    ("settings.json", '{"lr": 0.1}', []), ("settings.json", '{"lr": 0.1}', ["--resume=auto"]),
-    ("log.jsonl", "my own log\n", ["--resume=auto"]), ("log.jsonl", "my own log\n", ["--overwrite"]),
-    ("log.replayed.jsonl", '{"epoch": 1}\n', ["--resume=auto"]), ("wandb.json", "[]", ["--overwrite"])])
+    ("settings.json", '{"lr": 0.1}', []), ("log.jsonl", "my own log\n", ["--resume=auto"]),
+    ("log.replayed.jsonl", '{"epoch": 1}\n', ["--overwrite"]), ("wandb.json", "[]", ["--resume=auto"])])
 def test_a_users_file_named_like_a_runs_is_refused_not_replaced(tmp_path, data_dir, name, text, how):
     """A folder holding the user's own settings.json, log.jsonl, log.replayed.jsonl or wandb.json (no
     checkpoint): a fresh run, --resume=auto (which clears a run that never saved) and --overwrite are each
