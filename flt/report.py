@@ -282,10 +282,12 @@ def merge(old, record, results, measured):
     (K, key): a rerun replaces only the entries it computed again; a curve of CURVES, only its
     points it computed again (merge_points). record: the run's {"checkpoint",
     "step", "settings", "time"} (its key, now()); measured: what it measured. A run none of whose
-    entries is left is dropped. Returns the new doc (without its table)."""
+    entries is left is dropped; a key a user added to old's top level (notes) stays. Returns the new
+    doc (without its table)."""
     doc = {"checkpoint": record["checkpoint"], "step": record["step"], "results": {}, "computed": {}, "runs": {}}
     if old:
         doc |= {key: old[key] for key in ("results", "computed", "runs")}
+        doc |= {key: value for key, value in old.items() if key not in doc}
     for K, r in results.items():
         held = doc["results"].setdefault(str(K), {})
         for key, value in r.items():

@@ -82,6 +82,17 @@ def test_a_file_that_is_not_an_eval_json_is_set_aside_never_overwritten(tmp_path
     assert lines[0].endswith(f"kept it as {aside}, and {path} starts anew")
 
 
+def test_a_key_the_user_added_to_eval_json_stays_through_later_runs(tmp_path):
+    """A top-level key written into eval.json by hand (notes) is the user's: the next run's merge keeps it,
+    and it keeps the results it did not compute again."""
+    path = tmp_path / "eval.json"
+    run(path, "T1", {1: {"val_bpb": 2.0}}, "bpb", loops="1")
+    path.write_text(json.dumps(saved(path) | {"notes": "run on the old data"}))
+    run(path, "T2", {3: {"val_bpb": 1.9}}, "bpb", loops="3")
+    doc = saved(path)
+    assert doc["notes"] == "run on the old data"
+    assert doc["results"] == {"1": {"val_bpb": 2.0}, "3": {"val_bpb": 1.9}}
+
 def test_another_checkpoints_results_are_set_aside_not_merged(tmp_path):
     path = tmp_path / "eval.json"
     run(path, "T1", {1: {"val_bpb": 1.5}}, "bpb", step=10)
