@@ -48,6 +48,7 @@ import torch
 import data
 from model import GPT, GPTConfig
 from flt import errors, owndata, runtime
+from flt.files import unused_name
 from flt.decoding import ExitGate
 
 # 2: RoPE rotates in nanochat's direction (y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos), as the
@@ -316,16 +317,6 @@ def set_aside_newer(out_dir, step, log=print):
             log(f"moved the unreadable {path} aside to {aside}")
 
 
-def unused_name(path):
-    """path, or path2, path3, ...: the first that does not exist (a rename never replaces)."""
-    n = 1
-    found = path
-    while os.path.lexists(found):
-        n += 1
-        found = f"{path}{n}"
-    return found
-
-
 def _save(obj, path):
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -469,10 +460,10 @@ def save(out_dir, step, model, rank_state, *, settings, rank=0, keep=2, keep_eve
             if os.path.isdir(final):  # the same step saved again: the old copy goes only after the new is in
                 os.replace(final, old)
             os.replace(tmp, final)
-            if os.path.isdir(old) and not set(os.listdir(old)) <= set(checkpoint_files(old)):
+            others = sorted(set(os.listdir(old)) - set(checkpoint_files(old))) if os.path.isdir(old) else []
+            if others:
                 print(f"step {step} saved again: the earlier {os.path.basename(final)} is kept as {old}, "
-                      f"for {', '.join(sorted(set(os.listdir(old)) - set(checkpoint_files(old))))}, which "
-                      "training did not write", flush=True)
+                      f"for {', '.join(others)}, which training did not write", flush=True)
             else:
                 shutil.rmtree(old, ignore_errors=True)
             prune(out_dir, keep, keep_every)

@@ -49,6 +49,7 @@ from urllib3.exceptions import NameResolutionError
 import yaml
 
 from flt import errors, runtime
+from flt.files import unused_name
 from flt.runtime import atomic_write
 
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -440,10 +441,8 @@ def _keep_tokenizers(out, built):
             continue
         base = name.split(".before-rebuild")[0]
         new = name if name != base else f"{base}.before-rebuild"
-        n = 2
-        while os.path.exists(os.path.join(built, new)):
-            new = f"{base}.before-rebuild{n}"
-            n += 1
+        if os.path.lexists(os.path.join(built, new)):
+            new = os.path.basename(unused_name(os.path.join(built, f"{base}.before-rebuild")))
         try:
             os.rename(os.path.join(out, name), os.path.join(built, new))
         except FileNotFoundError:  # another host's rebuild moved it first

@@ -1,9 +1,10 @@
 """Files written whole or not at all, without torch (scripts/plot.py runs without it): a
-temporary name no other process writes to, renamed over the file. flt/runtime.py: atomic_dir does
+temporary name no other process writes to, renamed over the file; and names that replace nothing. flt/runtime.py: atomic_dir does
 the same for a directory.
 
     atomic_write(path, text)             # readers see the old file or the new one
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    unused_name(path + ".old")           # path.old, or path.old2, ...: a name nothing holds
 """
 import os
 import socket
@@ -32,3 +33,13 @@ def atomic_write(path, content):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def unused_name(path):
+    """path, or path2, path3, ...: the first that does not exist (a rename never replaces)."""
+    n = 1
+    found = path
+    while os.path.lexists(found):
+        n += 1
+        found = f"{path}{n}"
+    return found
