@@ -1,6 +1,6 @@
 """Files written whole or not at all, without torch (scripts/plot.py runs without it): a
-temporary name no other process writes to, renamed over the file; and names that replace nothing. flt/runtime.py: atomic_dir does
-the same for a directory.
+temporary name no other process writes to, renamed over the file; and names that replace nothing.
+flt/runtime.py: atomic_dir does the same for a directory.
 
     atomic_write(path, text)             # readers see the old file or the new one
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
