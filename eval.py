@@ -19,7 +19,7 @@ The metrics, each as the authors' scripts compute it (FuRuF-11/FullyLoopedTransf
 - CORE (DCLM, nanochat's core_eval): the mean centered accuracy of the bundle's tasks, and
   Table 1's six downstream accuracies (evaluate_core)
 - tasks, beyond the paper: per-answer accuracy by difficulty on a synthetic reasoning task's
-  held-out items, and its loops under exit rules, scored beside the task (flt/tasks.py: mode)
+  held-out items, and its loops under exit rules (flt/tasks.py: accuracy, exit_accuracy)
 Which tokens and items are scored never depends on this machine: batch_size and the number of
 processes change the speed only. The protocols, the modes and eval.json: docs/evaluation.md.
 """

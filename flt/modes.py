@@ -13,9 +13,8 @@ apart, under metric[setting=value,...] (plan).
 
 The paper's metrics are eval.py's functions (evaluate_bpb, evaluate_exit, evaluate_ppl,
 evaluate_core, loop_losses), which eval.py's main hands over in a Metrics: imports flow one way,
-from eval.py to this package, never back. These modes hold no arithmetic of their own. The tasks
-mode, beyond the paper, is flt/tasks.py's `mode`, beside the task it scores: it returns the same
-(line, forwards, run), and its accuracy is computed there.
+from eval.py to this package, never back. These modes hold no arithmetic of their own; the tasks
+mode, beyond the paper, runs flt/tasks.py's accuracy.
 """
 import functools
 import itertools
@@ -286,9 +285,49 @@ def sample_mode(settings, job):
                 f"{job.loops}, cached decoding ({cache} cache{drafts})", forwards, run)
 
 
+def tasks_mode(settings, job):
+    """A reasoning task's accuracy on its held-out items (flt/tasks.py), beyond the paper: the task is
+    rebuilt from the settings the run trained with; run() scores task_items test items at every K
+    (tasks.accuracy: task_acc, task_acc_by_difficulty) and, under exit rules, at the largest K
+    (tasks.exit_accuracy: task_exit), and prints a line each."""
+    task = tasks.task_of(job.trained)
+    items = task.test_items(settings.task_items)
+    batches = task.batches_of(items, settings.batch_size, job.rank, job.world)
+    # a small test bucket repeats its items: the plan says how many differ
+    distinct = len({tuple(tokens) for tokens, _, _ in items})
+    # the largest budget (job.loops is sorted)
+    K_max = job.loops[-1]
+    n_exit = sum(map(len, job.exits.values())) * len(batches)
+
+    def run():
+        progress = job.progress(f"{task.name} accuracy", len(batches) + n_exit)
+        results, answers = tasks.accuracy(job.model, batches, task.levels, job.loops, progress)
+        for K, r in results.items():
+            print0(f"{task.name} K={K}: accuracy {r['task_acc']:.4f}; by difficulty "
+                   + " ".join(f"{d}:{a:.2f}" for d, a in r["task_acc_by_difficulty"].items()))
+        # depth per token (eval_settings.exit_plan): each rule's accuracy and loops per answer
+        task_exit = {}
+        for rule, thresholds in job.exits.items():
+            task_exit[rule] = tasks.exit_accuracy(job.model, batches, task.levels, K_max, rule,
+                                                  thresholds, progress)
+            for r in task_exit[rule]:
+                print0(f"{task.name} exit rule {rule} {r['threshold']:g}, K <= {K_max}: accuracy "
+                       f"{r['acc']:.4f} at {r['mean_loops']:.2f} loops; loops by difficulty "
+                       + " ".join(f"{d}:{v:.2f}" for d, v in r["loops_by_difficulty"].items()))
+        if task_exit:
+            results.setdefault(K_max, {})["task_exit"] = task_exit
+        return results, {"task": task.name, "difficulty": task.D, "items": settings.task_items,
+                         "answers": answers}
+    exits = f"; and {n_exit} forwards under exit rules {job.exits_named()}" if job.exits else ""
+    line = (f"{settings.task_items:,} held-out {task.name} items ({distinct:,} distinct) of "
+            f"difficulty {task.D} ({len(task.levels)} levels), {len(batches)} forwards of "
+            f"{settings.batch_size} x {job.seq_len} at K={K_max}{exits}")
+    return line, len(batches) + n_exit, run
+
+
 # eval.py's modes, in the order they run
 PLANS = {"bpb": bpb_mode, "wiki": wiki_mode, "core": core_mode, "sample": sample_mode,
-         "exit": exit_mode, "tasks": tasks.mode}
+         "exit": exit_mode, "tasks": tasks_mode}
 # The settings that change a mode's numbers (docs/evaluation.md). Results computed with any of them
 # off its default are kept in eval.json under metric[setting=value,...], beside the default ones.
 # Where the inputs are (val_files, wiki_path, bundle_dir: local copies) is no such choice.

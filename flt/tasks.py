@@ -43,12 +43,8 @@ A task run, from generation to score: this file, and train.py.
   K: val_acc in log.jsonl and on the val bpb line (its bits per byte: eval.py's evaluate_bpb over
   an answer's UTF-8 bytes, 2 for S5's past the 84th; val_tokens counts the answers scored).
 
-After the run, the same score at any K, by difficulty and under exit rules, is `mode` below, which
-`eval.py RUN --modes=tasks` runs: `accuracy` on `Task.test_items(task_items)` at each K, pooled
-(task_acc) and at each level of `Task.levels` (task_acc_by_difficulty); under exit rules,
-`exit_accuracy` adds task_exit at the largest K. eval.py writes these entries of eval.json as it
-writes every mode's (docs/evaluation.md: a key off its defaults is kept apart as
-key[task_items=N]).
+After the run, `eval.py RUN --modes=tasks` scores the same at any K, by difficulty and under exit
+rules (flt/modes.py: tasks_mode): `accuracy` on `Task.test_items(task_items)`, and `exit_accuracy`.
 """
 import hashlib
 import itertools
@@ -61,7 +57,6 @@ import torch
 
 import data
 from flt import runtime
-from flt.runtime import print0
 
 TASKS = ("s3", "s5", "chains")
 # one item in TEST_BUCKET is held out (by its hash)
@@ -322,48 +317,6 @@ def exit_accuracy(model, batches, levels, loops, exit_rule, thresholds, progress
              "acc_by_difficulty": {str(d): r[d] / answers[d] for d in levels},
              "loops_by_difficulty": {str(d): ran[d] / answers[d] for d in levels}}
             for t, r, ran in zip(thresholds, right.tolist(), loops_run.tolist())]
-
-
-def mode(settings, job):
-    """eval.py's tasks mode (flt/modes.py: PLANS): (its plan line, the forwards it will run, run()).
-    job holds what eval.py loaded: the model, the settings it was trained with (trained), this
-    process (rank, world), the loop budgets (loops, sorted), the exit rules' thresholds (exits,
-    {rule: thresholds}) and progress lines (progress). The task is rebuilt from job.trained; run()
-    scores task_items held-out items at every K (accuracy) and, under exit rules, at the largest K
-    (exit_accuracy), prints a line each and returns ({K: eval.json's entries}, what was measured)."""
-    task = task_of(job.trained)
-    items = task.test_items(settings.task_items)
-    batches = task.batches_of(items, settings.batch_size, job.rank, job.world)
-    # a small test bucket repeats its items: the plan says how many differ
-    distinct = len({tuple(tokens) for tokens, _, _ in items})
-    # the largest budget (job.loops is sorted)
-    K_max = job.loops[-1]
-    n_exit = sum(map(len, job.exits.values())) * len(batches)
-
-    def run():
-        progress = job.progress(f"{task.name} accuracy", len(batches) + n_exit)
-        results, answers = accuracy(job.model, batches, task.levels, job.loops, progress)
-        for K, r in results.items():
-            print0(f"{task.name} K={K}: accuracy {r['task_acc']:.4f}; by difficulty "
-                   + " ".join(f"{d}:{a:.2f}" for d, a in r["task_acc_by_difficulty"].items()))
-        # depth per token (eval_settings.exit_plan): each rule's accuracy and loops per answer
-        task_exit = {}
-        for rule, thresholds in job.exits.items():
-            task_exit[rule] = exit_accuracy(job.model, batches, task.levels, K_max, rule,
-                                            thresholds, progress)
-            for r in task_exit[rule]:
-                print0(f"{task.name} exit rule {rule} {r['threshold']:g}, K <= {K_max}: accuracy "
-                       f"{r['acc']:.4f} at {r['mean_loops']:.2f} loops; loops by difficulty "
-                       + " ".join(f"{d}:{v:.2f}" for d, v in r["loops_by_difficulty"].items()))
-        if task_exit:
-            results.setdefault(K_max, {})["task_exit"] = task_exit
-        return results, {"task": task.name, "difficulty": task.D, "items": settings.task_items,
-                         "answers": answers}
-    exits = f"; and {n_exit} forwards under exit rules {job.exits_named()}" if job.exits else ""
-    line = (f"{settings.task_items:,} held-out {task.name} items ({distinct:,} distinct) of "
-            f"difficulty {task.D} ({len(task.levels)} levels), {len(batches)} forwards of "
-            f"{settings.batch_size} x {job.seq_len} at K={K_max}{exits}")
-    return line, len(batches) + n_exit, run
 
 
 def task_of(settings):
