@@ -8,6 +8,7 @@ import os
 import re
 import runpy
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -48,6 +49,11 @@ def run_module(module, *argv):
 
 
 def pytest_configure(config):
+    # Ctrl-C as a terminal gives it, also to a suite started in the background (`pytest &` in a script,
+    # whose shell has it ignore SIGINT, and a run then rightly keeps ignoring it: flt/cluster.py): the
+    # Ctrl-C tests need it, in this process and in the processes it starts
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # The ranks of torch.multiprocessing's start_method="forkserver" (in test_optim, test_checkpoint, test_eval
     # and test_collectives) fork from one process that has imported their modules, not each a new interpreter;
     # and torch._dynamo, which a rank's first optimizer step would import (~2 s of CPU a rank)
