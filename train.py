@@ -159,10 +159,11 @@ if dry_run:
 settings["dtype"] = dtype
 tracker = tracking.Tracker(wandb_project, out_dir, settings) if master and wandb_project else None
 
-# Shards (validation last; a task: none) and tokenizer (a task's: tasks.tokenizer), flt/inputs.py
-shards = inputs.shards(settings, num_steps * total_batch_size)
+# Text's shards (validation last) and tokenizer, flt/inputs.py; a task: no files, its own vocabulary
+task = tasks.task_of(settings)
+shards = [] if task else inputs.shards(settings, num_steps * total_batch_size)
 train_files, val_files = shards[:-1], shards[-1:]
-tok = inputs.tokenizer(settings, train_files)
+tok = tasks.tokenizer(task) if task else inputs.tokenizer(settings, train_files)
 bundle_dir = bundle_dir or os.path.join(data_dir, "eval_bundle")
 if core_interval and rt.local_rank == 0:  # CORE's tasks, on each node's data_dir
     corpus.fetch_bundle(bundle_dir, core.BUNDLE_URL)
@@ -208,8 +209,7 @@ if compile == "on" or (compile == "auto" and cuda):
     model.compile_regions(dynamic=False)
 
 # The loader: this rank's (x, y) batches, continued where the checkpoint left off. A synthetic task
-# (flt/tasks.py) generates its items from the seed; its y[i] is the answer at x[i] itself
-task = tasks.task_of(settings)
+# generates its items from the seed; its y[i] is the answer at x[i] itself
 loader = task.loader(device_batch_size, rank, world_size, device, seed, loader_state) if task else \
     data.DataLoader(train_files, tok, device_batch_size, sequence_len, rank, world_size, device,
                     state=loader_state, prefetch=loader_prefetch)

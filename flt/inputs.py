@@ -1,5 +1,6 @@
-"""train.py's data and tokenizer: the vocabulary the model is sized for, the shards, and the
-tokenizer, chosen here and nowhere else.
+"""train.py's data and tokenizer on text: the vocabulary the model is sized for, the shards, and
+the tokenizer, chosen here and nowhere else (a synthetic task's: flt/tasks.py, where its
+vocabulary's size is planning.planned_vocab's).
 
     vocab_size = inputs.vocab_size(settings)   # before the horizon
     shards = inputs.shards(settings, tokens)   # validation last
@@ -42,8 +43,6 @@ def shards(s, tokens, data=None):
     data_dir), your own data's (converted once, cached in data_dir: flt/owndata.py; data: a
     checkpoint's record of them, owndata.run_shards), or the FineWeb-Edu shards that `tokens`
     training tokens need (num_shards)."""
-    if s["dataset"] in tasks.TASKS:
-        return []
     if s["dataset"] == "embedded":
         return corpus.embedded_corpus(s["data_dir"])
     if owndata.is_own(s["dataset"]):
@@ -64,8 +63,6 @@ def tokenizer(s, train_files):
     """The run's tokenizer: tokenizer="bpe" is a byte-level BPE of bpe_vocab_size ids trained on
     train_files (the training shards), once, and cached beside them; any other value is a
     tokenizer.json path or a hub name (downloaded into data_dir)."""
-    if s["dataset"] in tasks.TASKS:
-        return tasks.tokenizer(tasks.task_of(s))
     if s["tokenizer"] != "bpe":
         return data.load_tokenizer(s["tokenizer"], cache_dir=s["data_dir"], bos=s["bos_token"])
     return data.get_tokenizer("bpe", os.path.dirname(train_files[0]), train_files,

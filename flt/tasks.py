@@ -33,15 +33,15 @@ WordLevel tokenizer, saved with each checkpoint as its tokenizer.json: eval.py l
 A task run, from generation to score: this file, and train.py.
 - the items: `Task.item` draws one from an rng (`Task.train_item`: training's); `Task.rows` packs
   items into rows, where y[i] is the answer at x[i] itself, not the next token;
-- the training (train.py, as for text): `task_of(settings)` is the task, and it has no shards, no
-  files at all; its tokenizer, train.py's `tok`, is `tokenizer(task)` below (train.py's comment
-  there says so); `Task.loader` stands where data.DataLoader would, and
-  `model(x, y)` takes the loss of text: the cross-entropy at position i against y[i], -1 skipped,
-  which for a task is the answer at x[i] itself (train.py says so);
+- the training (train.py, as for text): `task_of(settings)` is train.py's `task`; it has no files,
+  and train.py's `tok` is `tokenizer(task)` below; `Task.loader` stands where data.DataLoader
+  would, and `model(x, y)` takes the loss of text: the cross-entropy at position i against y[i],
+  -1 skipped, which for a task is the answer at x[i] itself (model.py's loss says so);
 - the score (train.py's validate): on `Task.batches(n_tokens, ...)`, the first test items with
-  each answer's difficulty, `accuracy` compares the argmax at position i with y[i] at the trained
-  K: val_acc in log.jsonl and on the val bpb line (its bits per byte: eval.py's evaluate_bpb over
-  an answer's UTF-8 bytes, 2 for S5's past the 84th; val_tokens counts the answers scored).
+  each answer's difficulty, `accuracy` below compares the argmax at position i with y[i] at the
+  trained K: its share right is the record's val_acc. The same batches are scored in bits per byte
+  too, as text is (an answer's bytes are its symbol's UTF-8 bytes: 2 for S5's past the 84th), and
+  val_tokens counts the answers scored.
 
 After the run, `eval.py RUN --modes=tasks` scores the same at any K, by difficulty and under exit
 rules (flt/modes.py: tasks_mode): `accuracy` on `Task.test_items(task_items)`, and `exit_accuracy`.
