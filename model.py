@@ -302,8 +302,8 @@ class GPT(nn.Module):
         """The loop (Sec. 4), one body for every variant: Loops, whose states [h(1), ..., h(K)],
         h(t) = norm(stream after loop t), are each a prediction point (head). bptt_loops: only the
         last bptt_loops loops learn (None or >= K: all); LT's embedding, read in loop 1 alone, then
-        gets no gradient (train.py's settings check refuses it). flt/decoding.py: cached_loops runs
-        it with a KV cache, exit rule and draft spans; tests/test_loop_cache.py ties them."""
+        gets no gradient (flt/planning.py: check_settings refuses it). flt/decoding.py: cached_loops
+        runs it with a KV cache, exit rule and draft spans; tests/test_loop_cache.py ties them."""
         K = self.loop_count(loops)
         T = idx.size(1)
         # a ValueError for T past the RoPE table or a bptt_loops not an integer >= 1 (or None)

@@ -635,7 +635,7 @@ def draft_and_verify(model, idx, max_new_tokens, K, draft_loops, draft_len, temp
     done = 1
     # The cache position's invariant, set and used here: at a round's start, cache.pos = start =
     # the prompt and every emitted token but the last (counted on the host, never read from the
-    # device). Each step runs flt/decoding.py: cached_loops, which writes its tokens at pos and
+    # device). Each step runs cached_loops (above), which writes its tokens at pos and
     # moves pos past them: the n draft steps leave pos = start + n (their loops 1..K_d written),
     # the verification is rewound to start and writes loops K_d+1..K of the same n tokens, and
     # the round ends rewound to start + the tokens it emitted. Entries past pos are stale drafts,
