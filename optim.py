@@ -288,8 +288,8 @@ class AdamW(_Sharded):
 
 @torch.no_grad()
 def reduce_gradients(optimizers, to_sum=None):
-    """Average the gradients over the ranks. Returns ({parameter: squared L2 norm of its average},
-    `to_sum` ({name: 0-d tensor}) summed over the ranks): device tensors of one all-reduce."""
+    """Average the gradients: reduce_grads launches, grad_sq_norms waits; one all-reduce sums the
+    pieces' squared norms and to_sum. Returns ({param: squared norm of its average}, to_sum)."""
     for opt in optimizers:
         opt.reduce_grads()  # every reduce-scatter is launched before any is waited for
     shares = {p: sq for opt in optimizers for p, sq in opt.grad_sq_norms().items()}

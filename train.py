@@ -281,10 +281,10 @@ guard = Guard(rt, log, save, last_good=ckpt_path, monitor=monitor, divergence_na
 # a step's seconds by the host's clock (no sync), evaluations and saves left out
 timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; schedules; forward and backward over the
-# micro-batches; one reduction and one host read; clip and step; log. Read with the norms:
-# - to_sum, summed over the ranks: the mean loss (each rank adds its / W), the last micro-batch's
-#   loop norms (checked finite), the guard's 0/1 signals; one host read takes them and watch's norms
-# - not finite: guard.exit_before_update logs the step, and every rank exits 1 before any update
+# micro-batches; the reduction (optim.py: reduce_gradients) and one host read; clip and step; log.
+# to_sum rides on the reduction's all-reduce: the loss (loss / W on each rank sums to the mean),
+# the last micro-batch's loop norms and the guard's 0/1 signals. Not finite: no rank updates.
+# Clipping is a scale: each optimizer steps with clip x the averaged gradient (optim.py: step).
 while True:
     last_step = step == num_steps  # it only evaluates and saves: step num_steps is the final model
     record = {"step": step}
