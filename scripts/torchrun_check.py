@@ -29,7 +29,7 @@ import torch
 
 import data
 from configurator import configure
-from flt import corpus, errors
+from flt import checkpoint, corpus, errors
 from flt.errors import user_errors
 from flt.runtime import atomic_write
 
@@ -58,12 +58,23 @@ MARK = ".torchrun_check"
 def claim(folder, path):
     """Make folder (out_dir) this script's, if it is new, empty or already its own (MARK); a
     FileExistsError naming it if it holds other files, whose runs (run/, resumed/) a rerun would
-    replace, or if the JSON's path holds a file that is not this script's JSON."""
+    replace, if its resumed/ holds a file no run wrote, or if the JSON's path holds a file that is
+    not this script's JSON."""
     held = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     if held and MARK not in held:
         raise FileExistsError(f"--out_dir={folder}: holds files torchrun_check did not write "
                               f"({', '.join(held[:3])}), and a rerun replaces its runs there: choose "
                               "another --out_dir, or an empty one")
+    # run/ is replaced by train.py's --overwrite, which keeps what it did not write; resumed/ is
+    # deleted here: only a run's own files may be in it
+    resumed = os.path.join(folder, "resumed")
+    if os.path.isdir(resumed):
+        others = sorted(set(os.listdir(resumed)) - set(checkpoint.run_files(resumed)) - {"run.lock"})
+        if others:
+            raise FileExistsError(f"{resumed}: holds {', '.join(others[:3])}, which a rerun would "
+                                  "delete with the resumed run: move it, or choose another --out_dir")
+        checkpoint.check_no_results(resumed, "a rerun of torchrun_check")
+        checkpoint.check_settings_file(resumed)
     try:
         with open(path) as f:
             meta = json.load(f)["meta"]

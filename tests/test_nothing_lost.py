@@ -206,6 +206,24 @@ def test_torchrun_check_leaves_a_folder_it_did_not_write(tmp_path):
     with pytest.raises(FileExistsError, match="results.json: not a torchrun_check JSON"):
         torchrun_check.claim(str(own), str(tmp_path / "results.json"))
     assert (tmp_path / "results.json").read_text() == '{"my": "results"}'
+    # its own resumed run, which a rerun deletes: refused once it holds a file the run did not write,
+    # beside it or in a checkpoint's folder; claimed again once that file is moved
+    resumed = own / "resumed"
+    (resumed / "step_000001").mkdir(parents=True)
+    (resumed / "step_000001" / "model.pt").write_bytes(b"weights")
+    (resumed / "log.jsonl").write_text('{"step": 0}\n')
+    torchrun_check.claim(str(own), str(own / "torchrun_check.json"))
+    refusals = {resumed / "notes.txt": f"{resumed}: holds notes.txt, which a rerun would delete",
+                resumed / "step_000001" / "eval.json": "a rerun of torchrun_check would delete "
+                                                       "step_000001/eval.json",
+                resumed / "settings.json": "settings.json was not written by train.py"}
+    for mine, refusal in refusals.items():
+        mine.write_text("mine")
+        with pytest.raises((FileExistsError, ValueError), match=refusal):
+            torchrun_check.claim(str(own), str(own / "torchrun_check.json"))
+        assert mine.read_text() == "mine"
+        mine.unlink()
+    torchrun_check.claim(str(own), str(own / "torchrun_check.json"))
 
 
 def test_a_bundle_zip_put_there_by_hand_is_kept(tmp_path):
