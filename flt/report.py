@@ -238,8 +238,8 @@ def same_checkpoint(doc, record):
 def check_table(json_path):
     """The Markdown table beside json_path (eval.json -> eval.md), which write_results rewrites
     from what json_path holds. Rule: it is eval.py's own, and may be rewritten, when it holds
-    exactly the "table" of the eval.json of eval.py beside it, as eval.py writes the two together,
-    or, beside an eval.json that cannot be read (set aside with it, write_results), when it is a
+    exactly the "table" of the eval.json of eval.py beside it, as eval.py writes the two together
+    (or its "previous_table": a run stopped between the two writes), or, beside an eval.json that cannot be read (set aside with it, write_results), when it is a
     table of eval.py's and nothing else. Anything else there (a user's notes, a table edited by hand,
     a file with no eval.json beside it) is a FileExistsError naming it, found before any work.
     Returns its path."""
@@ -249,7 +249,8 @@ def check_table(json_path):
     with open(md_path, errors="replace") as f:
         md = f.read()
     try:
-        ours = md == read_results(json_path).get("table")
+        doc = read_results(json_path)
+        ours = md in (doc.get("table"), doc.get("previous_table"))
     except ValueError:
         ours = md.startswith(table({})) and all(line.startswith("|") for line in md.splitlines())
     except OSError:  # no eval.json there
@@ -332,6 +333,9 @@ def write_results(json_path, record, results, measured, write, log=print):
             old = None
     doc = merge(old, record, results, measured)
     md = table({int(K): r for K, r in doc["results"].items()})
+    # eval.md holds the table before this run's until it is rewritten: still eval.py's own should the
+    # run stop between the two writes (check_table)
+    doc |= {"previous_table": old.get("table") if old else None}
     write(json_path, json.dumps(doc | {"table": md}, indent=1))
     write(md_path, md)
     return doc

@@ -168,3 +168,27 @@ def test_out_is_a_json_file_and_an_existing_one_an_eval_json_of_eval_py(tmp_path
     with pytest.raises(ValueError, match=re.escape(f"--out={step / 'model.pt'}: not a .json path")):
         eval_settings.read([str(step), f"--out={step / 'model.pt'}"], settings_of(vars(ev)), ev.__file__)
     assert {name: (step / name).read_bytes() for name in os.listdir(step)} == before
+
+
+def test_a_run_stopped_between_its_two_writes_leaves_a_table_the_next_run_rewrites(tmp_path):
+    """eval.json is written before eval.md: a run that stops in between leaves eval.md holding the
+    table before it (eval.json's previous_table), still eval.py's own, so the next run rewrites it;
+    a table edited by hand stays refused."""
+    path, md = tmp_path / "eval.json", tmp_path / "eval.md"
+    run(path, "T1", {3: {"val_bpb": 1.5}}, "bpb", loops="3")
+    first = md.read_text()
+
+    def json_only(p, text):
+        if p.endswith(".md"):
+            raise KeyboardInterrupt
+        write(p, text)
+    record = {"checkpoint": CHECKPOINT, "step": 10, "settings": {"modes": "wiki"}, "time": "T2"}
+    with pytest.raises(KeyboardInterrupt):
+        report.write_results(str(path), record, {3: {"wiki_ppl": 40.0}}, {"wiki": {}}, write=json_only)
+    assert md.read_text() == first == saved(path)["previous_table"] != saved(path)["table"]
+    run(path, "T3", {1: {"val_bpb": 1.9}}, "bpb", loops="1")
+    assert md.read_text() == saved(path)["table"] == report.table({1: {"val_bpb": 1.9}, 3: {"val_bpb": 1.5,
+                                                                                           "wiki_ppl": 40.0}})
+    md.write_text(md.read_text() + "my note\n")
+    with pytest.raises(FileExistsError, match="eval.md: not the table eval.py wrote beside"):
+        run(path, "T4", {1: {"val_bpb": 1.8}}, "bpb", loops="1")

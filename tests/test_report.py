@@ -80,4 +80,5 @@ def test_write_results_writes_eval_json_and_eval_md_beside_it():
     assert json.loads(written["run/step_000010/eval.json"]) == {
         "checkpoint": "run/step_000010", "step": 10, "results": {"1": {"val_bpb": 1.25}, "3": {}},
         "computed": {"1": {"val_bpb": "T1"}, "3": {}},
-        "runs": {"T1": {"settings": {"modes": "bpb"}, "measured": {"bpb": {"tokens": 7}}}}, "table": md}
+        "runs": {"T1": {"settings": {"modes": "bpb"}, "measured": {"bpb": {"tokens": 7}}}}, "table": md,
+        "previous_table": None}
