@@ -145,7 +145,7 @@ MUTANTS = [
     ("flt/decoding.py", "hs[-1] = torch.where(self.done[..., None], hs[-2], hs[-1])", "pass",
      MODEL),
     ("train.py", 'ns_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32', "ns_dtype=None",
-     ["tests/test_train.py::test_compiled_bf16_two_ranks_with_loop_checkpointing"]),
+     ["tests/test_train.py::test_bf16_two_ranks_with_loop_checkpointing"]),
     ("optim.py", "math.log(loops - 1) - sigma**2 / 2", "math.log(loops - 1)", ["tests/test_variable_loops.py"]),
     # flt/decoding.py: the loop cache (m slots per layer, loop t in slot t mod m)
     ("flt/decoding.py", "index = (loop - 1) % self.cache_slots",

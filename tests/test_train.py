@@ -487,13 +487,13 @@ NS_DTYPE = textwrap.dedent("""
 """)
 
 
-def test_compiled_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir, monkeypatch):
-    """The GPU recipe's code paths on CPU: regional torch.compile, bf16 autocast with a bf16
-    embedding and bf16 Newton-Schulz, per-loop checkpointing, 2 gloo ranks."""
+def test_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir, monkeypatch):
+    """The GPU recipe's numerics on CPU: bf16 autocast with a bf16 embedding and bf16 Newton-Schulz,
+    per-loop checkpointing, 2 gloo ranks ending with the same parameters. torch.compile: below, in
+    one process (each rank compiles its own blocks, and no collective runs in a compiled region)."""
     out = tmp_path / "gpu_paths"
     monkeypatch.setenv("NS_DTYPE_DIR", str(tmp_path))
-    # LT: one kind of layer in every loop, so the fewest graphs to compile (FLT's: tests/test_gpu_path.py)
-    train(out, data_dir, "--num_steps=4", "--total_batch_size=256", "--compile=on", "--dtype=bf16", "--variant=LT",
+    train(out, data_dir, "--num_steps=4", "--total_batch_size=256", "--dtype=bf16", "--variant=LT",
           "--loops=2", "--checkpoint_loops", "--sample_tokens=0", script=runner(tmp_path, NS_DTYPE), nproc=2)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["torch.bfloat16"] * 2
     p0, p1 = (torch.load(out / f"params_rank{r}.pt") for r in (0, 1))
@@ -503,6 +503,22 @@ def test_compiled_bf16_two_ranks_with_loop_checkpointing(tmp_path, data_dir, mon
     assert sorted(by_step) == [0, 1, 2, 3] and all(math.isfinite(v) for v in by_step.values())
     saved = torch.load(out / "step_000004" / "model.pt", weights_only=True)
     assert saved["settings"]["dtype"] == "bf16"
+
+
+def test_inductor_generates_and_runs_the_bf16_training_step(tmp_path, data_dir, monkeypatch):
+    """train.py --compile=on as a GPU runs it, torch.compile's own backend (inductor) included: the
+    blocks' and the loss's bf16 code generated, compiled and run, forward and the per-loop
+    checkpointed backward, and the run trains (graph counts and recompiles: tests/test_gpu_path.py)."""
+    cache = tmp_path / "inductor"
+    # this run's own inductor cache, so that the kernels found there are the ones it compiled
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    out = tmp_path / "inductor_run"
+    # LT: one kind of layer in every loop, so the fewest graphs to compile (FLT's: tests/test_gpu_path.py)
+    train(out, data_dir, "--num_steps=2", "--compile=on", "--dtype=bf16", "--variant=LT", "--loops=2",
+          "--checkpoint_loops", "--sample_tokens=0")
+    by_step, _ = losses(out)
+    assert sorted(by_step) == [0, 1] and all(math.isfinite(v) for v in by_step.values())
+    assert list(cache.rglob("*.so")), "inductor compiled no kernel"
 
 
 def test_dry_run_plans_the_paper_run_without_touching_anything(tmp_path):
