@@ -283,7 +283,7 @@ timer = diagnostics.StepTimer()
 # One optimizer step a pass: evaluate and save; schedules; forward and backward over the
 # micro-batches; the reduction (optim.py: reduce_gradients) and one host read; clip and step; log.
 # to_sum rides on the reduction's all-reduce: the loss (loss / W on each rank sums to the mean),
-# every rank's last loop norms (checked finite), the guard's 0/1 signals. Not finite: no update.
+# the last micro-batch's loop norms (checked finite), the guard's 0/1 signals; not finite: no update
 # Clipping is a scale: each optimizer steps with clip x the averaged gradient (_Sharded.step).
 while True:
     last_step = step == num_steps  # it only evaluates and saves: step num_steps is the final model
