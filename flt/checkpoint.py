@@ -558,6 +558,8 @@ SETTINGS = "settings.json"
 RUN_FILES = ("log.jsonl", "log.replayed.jsonl", SETTINGS, "wandb.json", IMPORTED)
 # What a run writes besides them: its checkpoints, half-written ones, and ones set aside
 RUN_DIRS = re.compile(r"(tmp_)?step_\d+(\.old\d*|\.unreadable\d*)?")
+# The lock a live run holds on its out_dir (claim_out_dir)
+LOCK = "run.lock"
 # Where --overwrite moves the run it replaces, until the new run's first checkpoint is written
 REPLACED = "replaced_run"
 
@@ -697,7 +699,7 @@ def claim_out_dir(out_dir, resume, overwrite, log=print):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise ValueError(f"out_dir={out_dir!r} is not writable: {e.strerror}") from e
-    lock_path = os.path.join(out_dir, "run.lock")
+    lock_path = os.path.join(out_dir, LOCK)
     before = open(lock_path, "rb").read() if os.path.isfile(lock_path) else None
     lock = lock_out_dir(out_dir)
     # the paths only: holding the lock here would keep it from being released with the run
@@ -722,7 +724,7 @@ def release(made, lock_path, before):
 def lock_out_dir(out_dir):
     """Hold an exclusive lock on out_dir/run.lock for the life of the process (the kernel drops it
     when the process ends, however it ends). A second run on the same out_dir is refused."""
-    path = os.path.join(out_dir, "run.lock")
+    path = os.path.join(out_dir, LOCK)
     try:
         f = open(path, "a+")
     except OSError as e:

@@ -241,9 +241,8 @@ def check_table(json_path):
     exactly the "table" of the eval.json of eval.py beside it, as eval.py writes the two together
     (or its "previous_table": a run stopped between the two writes), or, beside an eval.json that
     cannot be read (set aside with it, write_results), when it is a table of eval.py's and nothing
-    else. Anything else there (a user's notes, a table edited by hand,
-    a file with no eval.json beside it) is a FileExistsError naming it, found before any work.
-    Returns its path."""
+    else. Anything else there (a user's notes, a table edited by hand, a file with no eval.json
+    beside it) is a FileExistsError naming it, found before any work. Returns its path."""
     md_path = os.path.splitext(json_path)[0] + ".md"
     if not os.path.exists(md_path):
         return md_path

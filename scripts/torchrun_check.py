@@ -69,7 +69,7 @@ def claim(folder, path):
     # deleted here: only a run's own files may be in it
     resumed = os.path.join(folder, "resumed")
     if os.path.isdir(resumed):
-        others = sorted(set(os.listdir(resumed)) - set(checkpoint.run_files(resumed)) - {"run.lock"})
+        others = sorted(set(os.listdir(resumed)) - set(checkpoint.run_files(resumed)) - {checkpoint.LOCK})
         if others:
             raise FileExistsError(f"{resumed}: holds {', '.join(others[:3])}, which a rerun would "
                                   "delete with the resumed run: move it, or choose another --out_dir")
